@@ -1,0 +1,196 @@
+"""
+The broker's listening Unix port.
+
+Twisted's L{twisted.internet.unix.Port} breaks three of the design's rules
+(see C{notes/twisted-pitfalls.md}; checked against Twisted 26.10):
+
+  - its C{connectionLost} unlinks the bound path unconditionally, deleting
+    whatever file replaced the socket, and raises before closing the
+    listener when the path is already gone;
+  - it binds and then C{chmod}s, following the path, with a window between;
+  - its accept loop answers C{ENFILE}/C{ENOBUFS}/C{ENOMEM} by retrying on the
+    next reactor turn (a busy loop that floods the log while the listener
+    stays readable) and C{EMFILE} by accepting and closing every waiting
+    client, which sends real workloads to their slow path.
+
+L{BrokerPort} keeps the rest of the machinery (the transport class, the
+reactor integration) and replaces exactly those parts: it binds under a
+umask that yields 0666 directly, records the socket's identity, removes the
+path on close only if that identity still matches, backs off on resource
+errors (5 ms doubling to 1 s, then recovers by itself), treats any other
+accept error as fatal to the broker, and gives every accepted connection to
+the factory's fast path before building a protocol for it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import stat
+from collections.abc import Callable
+
+from twisted.internet import tcp, unix
+from twisted.internet.interfaces import IDelayedCall
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from hostpid import defaults
+from hostpid.fsrules import BrokerStartupError, SocketIdentity, identify_socket
+from hostpid.fsrules import remove_socket_if_ours
+from hostpid.server import BrokerFactory
+
+#: Accept errors that mean "out of a resource for now": back off and retry.
+RESOURCE_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+#: Accept errors that concern one connection only: skip it.
+CONNECTION_ERRORS = frozenset({errno.ECONNABORTED, errno.EPERM, errno.EPROTO, errno.EINTR})
+
+BACKOFF_INITIAL = 0.005
+BACKOFF_MAX = 1.0
+
+#: Connections accepted per reactor turn at most, so that timers and other
+#: sockets are served even under a flood.
+ACCEPTS_PER_TURN = 128
+
+
+class BrokerPort(unix.Port):
+    """
+    A Unix listening port for the broker's socket inside its directory.
+
+    @ivar identity: the created socket's (device, inode), once listening.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        path: str,
+        directoryFd: int,
+        factory: BrokerFactory,
+        reactor: object,
+        onFatal: Callable[[Failure], None],
+        backlog: int = socket.SOMAXCONN,
+        expectedUid: int | None = None,
+    ) -> None:
+        super().__init__(path.encode(), factory, backlog=backlog, reactor=reactor)
+        self.path = path
+        self.factory: BrokerFactory = factory
+        self._directoryFd = directoryFd
+        self._onFatal = onFatal
+        self._expectedUid = os.geteuid() if expectedUid is None else expectedUid
+        self.identity: SocketIdentity | None = None
+        self._backoff = BACKOFF_INITIAL
+        self._resume: IDelayedCall | None = None
+        self.resourceErrors = 0
+
+    def startListening(self) -> None:
+        """
+        Bind, verify, listen.  The umask is set for the bind alone so the
+        socket is born 0666 (no bind-then-chmod window), and the path is then
+        checked by C{lstat} to be the socket just created, owned by us.
+        """
+        skt = self.createInternetSocket()
+        oldUmask = os.umask(0o777 & ~defaults.SOCKET_MODE)
+        try:
+            skt.bind(self._bindPath)
+        except OSError as e:
+            skt.close()
+            raise BrokerStartupError(self.path, f"cannot bind the socket: {e.strerror}")
+        finally:
+            os.umask(oldUmask)
+        info = identify_socket(self._directoryFd)
+        if (
+            info is None
+            or not stat.S_ISSOCK(info.st_mode)
+            or info.st_uid != self._expectedUid
+            or info.st_mode & 0o777 != defaults.SOCKET_MODE
+        ):
+            skt.close()
+            raise BrokerStartupError(
+                self.path, "is not the socket just bound (replaced during startup?)"
+            )
+        self.identity = SocketIdentity.of(info)
+        skt.listen(self.backlog)
+        self.factory.doStart()
+        self.connected = True
+        self.socket = skt
+        self.fileno = skt.fileno  # type: ignore[method-assign]
+        self.startReading()
+
+    def doRead(self) -> None:
+        """Accept what is waiting, each connection fast path first."""
+        factory = self.factory
+        for _ in range(ACCEPTS_PER_TURN):
+            try:
+                skt, addr = self.socket.accept()
+            except BlockingIOError:
+                return
+            except OSError as e:
+                if e.errno in RESOURCE_ERRORS:
+                    self._pauseAccepting(e)
+                    return
+                if e.errno in CONNECTION_ERRORS:
+                    continue
+                self._onFatal(Failure())
+                return
+            self._backoff = BACKOFF_INITIAL
+            prefix = factory.answerWaiting(skt)
+            if prefix is None:
+                continue
+            protocol = factory.buildProtocol(self._buildAddr(addr))
+            if protocol is None:
+                skt.close()
+                continue
+            session = self.sessionno
+            self.sessionno = session + 1
+            transport = self.transport(skt, protocol, addr, self, session, self.reactor)
+            protocol.makeConnection(transport)
+            if prefix:
+                protocol.dataReceived(prefix)
+
+    def _pauseAccepting(self, error: OSError) -> None:
+        """
+        Out of descriptors or memory: stop reading the listener and look again
+        after a delay that doubles up to a second.  Waiting clients stay in the
+        accept queue instead of being accepted only to be closed.
+        """
+        self.resourceErrors += 1
+        if self.resourceErrors & (self.resourceErrors - 1) == 0:
+            self.log.warn(
+                "hostpid-broker: cannot accept ({error}); retrying in {delay:.3f}s "
+                "(resource errors so far: {count})",
+                error=errno.errorcode.get(error.errno or 0, str(error.errno)),
+                delay=self._backoff,
+                count=self.resourceErrors,
+            )
+        self.stopReading()
+        self._resume = self.reactor.callLater(self._backoff, self._resumeAccepting)
+        self._backoff = min(self._backoff * 2, BACKOFF_MAX)
+
+    def _resumeAccepting(self) -> None:
+        self._resume = None
+        if self.connected and not self.disconnecting:
+            self.startReading()
+
+    def _logConnectionLostMsg(self) -> None:
+        """The service logs the lifecycle; nothing here."""
+
+    def connectionLost(self, reason: Failure) -> None:
+        """
+        Close the listener; remove the path only if it is still our socket.
+        Never raises on the path, so the listener is always closed and the
+        factory always stopped.
+        """
+        if self._resume is not None and self._resume.active():
+            self._resume.cancel()
+        self._resume = None
+        self.removed = False
+        if self.identity is not None:
+            try:
+                self.removed = remove_socket_if_ours(self._directoryFd, self.identity)
+            except OSError as e:
+                self.log.error(
+                    "hostpid-broker: could not remove {path}: {error}",
+                    path=self.path, error=e.strerror,
+                )
+        tcp.Port.connectionLost(self, reason)

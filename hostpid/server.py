@@ -1,0 +1,239 @@
+"""
+The broker's transaction: one 8-byte request in, one 12-byte reply out.
+
+Three pieces, from the inside out:
+
+  - L{answer}: the rule itself.  Given the 8 request bytes and a way to ask
+    the kernel who the peer is, it returns the reply bytes or C{None} (close
+    with no reply), and says which L{Outcome} that was.  Both the general
+    path and the fast path below go through it, so there is one rule.
+  - L{BrokerProtocol}: the general path, a small state machine for clients
+    that fragment their request, are slow, or half-close.  It buffers exactly
+    8 bytes, runs one transaction deadline on an injected clock from
+    connection to reply, and never outlives that deadline.
+  - L{BrokerFactory}: counts active transactions, closes one over the limit at
+    once, counts every outcome and logs failures rate-limited.  It also offers
+    L{BrokerFactory.answerWaiting}, the fast path the listening port uses for a
+    request that is already waiting when its connection is accepted: answered
+    at once, with no protocol, transport or timer, and without holding a slot,
+    so silent connections filling every slot cannot starve a real client.
+"""
+
+from __future__ import annotations
+
+import enum
+import socket
+from collections.abc import Callable
+
+from twisted.internet.interfaces import IAddress, IHalfCloseableProtocol, IReactorTime
+from twisted.internet.protocol import Factory, Protocol
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from zope.interface import implementer
+
+from hostpid import defaults, wire
+from hostpid.peercred import PeerCredentials, peer_credentials
+
+
+class Outcome(enum.Enum):
+    """How a transaction ended.  Metric labels use the values."""
+
+    OK = "ok"
+    INVALID = "invalid"
+    SHORT = "short"
+    DEADLINE = "deadline"
+    OVER_LIMIT = "over_limit"
+    PEER_CREDENTIALS = "peer_credentials_failed"
+
+
+#: Outcomes that are a client's or the kernel's failure, logged rate-limited.
+FAILURES = frozenset(Outcome) - {Outcome.OK}
+
+
+def answer(
+    request: bytes, credentials: Callable[[], PeerCredentials]
+) -> tuple[Outcome, bytes | None]:
+    """
+    Decide the reply to C{request} (exactly 8 bytes).
+
+    The peer's credentials are asked for only after the request is known to be
+    valid, and a PID that is not positive (the peer is not visible in this PID
+    namespace) is a failure: the broker never sends a PID the kernel did not
+    give it.
+
+    @return: the outcome, and the reply bytes or C{None} for "close with no
+        reply".
+    """
+    if not wire.is_valid_request(request):
+        return Outcome.INVALID, wire.INVALID_REQUEST_RESPONSE
+    try:
+        pid = credentials().pid
+    except OSError:
+        return Outcome.PEER_CREDENTIALS, None
+    if not 0 < pid <= wire.PID_MAX:
+        return Outcome.PEER_CREDENTIALS, None
+    return Outcome.OK, wire.encode_ok(pid)
+
+
+@implementer(IHalfCloseableProtocol)
+class BrokerProtocol(Protocol):
+    """
+    One transaction on the general path.
+
+    States: I{reading} (fewer than 8 bytes so far) and I{finished} (replied,
+    refused, or timed out; everything after the 8th byte is ignored).  The
+    deadline is armed in C{connectionMade} and cancelled in C{connectionLost},
+    so no delayed call outlives the connection.
+
+    Half-close is supported: a client that sends its 8 bytes and shuts down
+    its writing side still gets its reply.
+    """
+
+    factory: BrokerFactory
+
+    def __init__(self, factory: BrokerFactory) -> None:
+        self.factory = factory
+        self._buffer = b""
+        self._finished = False
+        self._deadline: object = None
+
+    def connectionMade(self) -> None:
+        self._deadline = self.factory.clock.callLater(
+            self.factory.deadline, self._deadlineExpired
+        )
+
+    def dataReceived(self, data: bytes) -> None:
+        if self._finished:
+            return
+        self._buffer += data
+        if len(self._buffer) < wire.REQUEST_SIZE:
+            return
+        self._finished = True
+        request = self._buffer[: wire.REQUEST_SIZE]
+        self._buffer = b""
+        outcome, reply = answer(request, self._peerCredentials)
+        self.factory.record(outcome)
+        if reply is not None:
+            self.transport.write(reply)  # type: ignore[union-attr]
+        self.transport.loseConnection()  # type: ignore[union-attr]
+
+    def _peerCredentials(self) -> PeerCredentials:
+        return peer_credentials(self.transport.getHandle())  # type: ignore[union-attr]
+
+    def readConnectionLost(self) -> None:
+        """The client shut down its writing side: only a short request is lost."""
+        if not self._finished:
+            self._finish(Outcome.SHORT)
+            self.transport.loseConnection()  # type: ignore[union-attr]
+
+    def writeConnectionLost(self) -> None:
+        """The reply is written; nothing else to do."""
+
+    def _deadlineExpired(self) -> None:
+        self._deadline = None
+        if not self._finished:
+            self._finish(Outcome.DEADLINE)
+        self.transport.abortConnection()  # type: ignore[union-attr]
+
+    def _finish(self, outcome: Outcome) -> None:
+        self._finished = True
+        self.factory.record(outcome)
+
+    def connectionLost(self, reason: Failure = Failure(ConnectionError())) -> None:
+        deadline, self._deadline = self._deadline, None
+        if deadline is not None and deadline.active():  # type: ignore[attr-defined]
+            deadline.cancel()  # type: ignore[attr-defined]
+        if not self._finished:
+            self._finish(Outcome.SHORT)
+        self.factory.transactionEnded()
+
+
+class BrokerFactory(Factory):
+    """
+    Builds L{BrokerProtocol}s, at most C{maxConnections} at a time, and keeps
+    the books: active transactions and a count per L{Outcome}.
+
+    Failures are logged only when their count reaches a power of two, so a
+    flood of bad clients costs a handful of log lines, not one per
+    connection, and the counts in the log still tell how big it was.
+    """
+
+    log = Logger()
+    noisy = False
+
+    def __init__(
+        self,
+        clock: IReactorTime,
+        deadline: float = defaults.DEADLINE,
+        maxConnections: int = defaults.MAX_CONNECTIONS,
+    ) -> None:
+        self.clock = clock
+        self.deadline = deadline
+        self.maxConnections = maxConnections
+        self.active = 0
+        self.counts: dict[Outcome, int] = dict.fromkeys(Outcome, 0)
+        self._idle: list[Callable[[], None]] = []
+
+    def buildProtocol(self, addr: IAddress) -> BrokerProtocol | None:  # type: ignore[override]
+        if self.active >= self.maxConnections:
+            self.record(Outcome.OVER_LIMIT)
+            return None
+        self.active += 1
+        return BrokerProtocol(self)
+
+    def transactionEnded(self) -> None:
+        self.active -= 1
+        if self.active == 0 and self._idle:
+            waiting, self._idle = self._idle, []
+            for callback in waiting:
+                callback()
+
+    def whenIdle(self, callback: Callable[[], None]) -> None:
+        """Call C{callback} once no transaction is active (now, if none is)."""
+        if self.active == 0:
+            callback()
+        else:
+            self._idle.append(callback)
+
+    def record(self, outcome: Outcome) -> None:
+        count = self.counts[outcome] + 1
+        self.counts[outcome] = count
+        if outcome in FAILURES and count & (count - 1) == 0:
+            self.log.warn(
+                "hostpid-broker: {outcome} transactions so far: {count}",
+                outcome=outcome.value,
+                count=count,
+            )
+
+    def answerWaiting(self, sock: socket.socket) -> bytes | None:
+        """
+        The fast path, for a connection just accepted.
+
+        If its whole request is already waiting, answer it now and close the
+        socket: return C{None}.  Otherwise return the bytes read so far (maybe
+        none) for the general path to continue from.  Never blocks.
+        """
+        try:
+            data = sock.recv(wire.REQUEST_SIZE, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return b""
+        except OSError:
+            sock.close()
+            self.record(Outcome.SHORT)
+            return None
+        if len(data) < wire.REQUEST_SIZE:
+            if data:
+                return data
+            # End of file before any byte: the client went away.
+            sock.close()
+            self.record(Outcome.SHORT)
+            return None
+        outcome, reply = answer(data, lambda: peer_credentials(sock))
+        self.record(outcome)
+        if reply is not None:
+            try:
+                sock.send(reply, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+            except OSError:
+                pass
+        sock.close()
+        return None

@@ -1,0 +1,264 @@
+"""
+The broker as a Twisted service: the lifecycle, in order.
+
+Start: check the gate; prepare the directory; take the lock; judge what is at
+the socket path; listen; watch the path.  Stop: stop accepting (the port
+removes the socket only if it is still ours), let transactions in flight end
+(each is bounded by its own deadline), release the lock.
+
+L{BrokerService} is an ordinary L{IService}: C{twistd hostpid-broker} runs it
+alone, and a larger Twisted application (a device plugin) can add it as a
+child of its own L{MultiService}.  Whatever makes the broker stop serving
+after startup (the listener fails, the socket path is removed or replaced)
+is fatal: by default the process exits non-zero so its supervisor restarts it,
+as the design's failure table requires.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from twisted.application.service import Service
+from twisted.internet.defer import Deferred, maybeDeferred
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from hostpid import defaults, fsrules
+from hostpid.gate import GATE_ENV, gate_enabled
+from hostpid.port import BrokerPort
+from hostpid.server import BrokerFactory
+
+#: How often the socket path's identity is checked while serving, in seconds.
+WATCH_INTERVAL = 1.0
+
+#: The exit status after a fatal error once serving.
+FATAL_EXIT_STATUS = 1
+
+
+def is_default_directory(directory: str) -> bool:
+    return os.path.normpath(directory) == defaults.BROKER_DIRECTORY
+
+
+def expected_uid_for(directory: str) -> int:
+    """
+    The UID that must own the broker's files: 0 for the default directory
+    (where the broker refuses to run unless it is root), otherwise this
+    process's effective UID.
+
+    @raise fsrules.BrokerStartupError: the default directory without root.
+    """
+    euid = os.geteuid()
+    if is_default_directory(directory):
+        if euid != 0:
+            raise fsrules.BrokerStartupError(
+                directory,
+                f"the default broker directory requires effective UID 0 (running as UID {euid})",
+            )
+        return 0
+    return euid
+
+
+def exit_process(reactor: Any, status: int = FATAL_EXIT_STATUS) -> None:
+    """
+    Stop the reactor and make the process exit with C{status}.
+
+    twistd exits 0 after C{reactor.stop()} and swallows C{sys.exit} in a
+    shutdown trigger; an "after shutdown" trigger that calls C{os._exit}
+    is what gives the supervisor a non-zero status.
+    """
+
+    def _exit() -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+
+    reactor.addSystemEventTrigger("after", "shutdown", _exit)
+    if reactor.running:
+        reactor.stop()
+
+
+class BrokerService(Service):
+    """
+    Runs one broker on C{directory}.
+
+    @ivar factory: the transaction factory once listening (counts, limits).
+    @ivar port: the listening port once listening.
+    """
+
+    name = "hostpid-broker"
+    log = Logger()
+
+    def __init__(
+        self,
+        directory: str = defaults.BROKER_DIRECTORY,
+        maxConnections: int = defaults.MAX_CONNECTIONS,
+        deadline: float = defaults.DEADLINE,
+        reactor: Any = None,
+        environ: Mapping[str, str] | None = None,
+        onFatal: Callable[[], None] | None = None,
+        watchInterval: float = WATCH_INTERVAL,
+    ) -> None:
+        if reactor is None:
+            from twisted.internet import reactor as _reactor
+
+            reactor = _reactor
+        self.directory = directory
+        self.socketPath = os.path.join(directory, defaults.SOCKET_NAME)
+        self.maxConnections = maxConnections
+        self.deadline = deadline
+        self.reactor = reactor
+        self.enabled = gate_enabled(environ)
+        self.onFatal = onFatal if onFatal is not None else lambda: exit_process(reactor)
+        self.watchInterval = watchInterval
+        self.factory: BrokerFactory | None = None
+        self.port: BrokerPort | None = None
+        self.failed = False
+        self._directoryFd: int | None = None
+        self._lockFd: int | None = None
+        self._watch: LoopingCall | None = None
+
+    @property
+    def listening(self) -> bool:
+        return self.port is not None and bool(self.port.connected)
+
+    def startService(self) -> None:
+        """
+        Start serving, or raise L{fsrules.BrokerStartupError} naming the path
+        and the rule broken (nothing is left half-started).
+        """
+        super().startService()
+        if not self.enabled:
+            self.log.info(
+                "hostpid-broker: disabled ({gate} is not exactly \"1\"); no socket is created",
+                gate=GATE_ENV,
+            )
+            return
+        try:
+            self._start()
+        except BaseException:
+            self._release()
+            self.running = False
+            raise
+
+    def _start(self) -> None:
+        expectedUid = expected_uid_for(self.directory)
+        self._directoryFd = fsrules.open_broker_directory(self.directory, expectedUid)
+        self.log.info(
+            "hostpid-broker: directory prepared: {path} (UID {uid}, mode 0711)",
+            path=self.directory, uid=expectedUid,
+        )
+        self._lockFd = fsrules.take_lock(self._directoryFd, self.directory, expectedUid)
+        self.log.info(
+            "hostpid-broker: lock taken: {path}",
+            path=os.path.join(self.directory, defaults.LOCK_NAME),
+        )
+        state = fsrules.clear_socket_path(self._directoryFd, self.directory, expectedUid)
+        if state is fsrules.SocketPathState.STALE_REMOVED:
+            self.log.info("hostpid-broker: stale socket removed: {path}", path=self.socketPath)
+        self.factory = BrokerFactory(self.reactor, self.deadline, self.maxConnections)
+        self.port = BrokerPort(
+            self.socketPath,
+            self._directoryFd,
+            self.factory,
+            self.reactor,
+            self._listenerFailed,
+            expectedUid=expectedUid,
+        )
+        self.port.startListening()
+        self.log.info(
+            "hostpid-broker: listening on {path} (max {maxConnections} active, "
+            "deadline {deadline}s)",
+            path=self.socketPath, maxConnections=self.maxConnections, deadline=self.deadline,
+        )
+        self._watch = LoopingCall(self.checkSocketPath)
+        self._watch.clock = self.reactor
+        self._watch.start(self.watchInterval, now=False)
+
+    def checkSocketPath(self) -> str | None:
+        """
+        Is the socket path still the socket we listen on?  If someone removed
+        or replaced it, clients can no longer reach this broker: fail, and
+        leave whatever is there now untouched.
+
+        @return: the problem found, or C{None}.
+        """
+        if self.port is None or self.port.identity is None or self._directoryFd is None:
+            return None
+        info = fsrules.identify_socket(self._directoryFd)
+        if info is None:
+            problem = "the socket was removed while the broker was serving"
+        elif not self.port.identity.matches(info):
+            kind = "another socket" if stat.S_ISSOCK(info.st_mode) else "another file"
+            problem = (
+                f"the socket was replaced by {kind} (UID {info.st_uid}) while the broker "
+                "was serving; the newcomer is left untouched"
+            )
+        else:
+            return None
+        self._fail(problem)
+        return problem
+
+    def _listenerFailed(self, reason: Failure) -> None:
+        self._fail(f"the listening socket failed: {reason.getErrorMessage()}")
+
+    def _fail(self, problem: str) -> None:
+        if self.failed:
+            return
+        self.failed = True
+        self.log.critical(
+            "hostpid-broker: {path}: {problem}; exiting so the supervisor restarts the broker",
+            path=self.socketPath, problem=problem,
+        )
+        if self._watch is not None and self._watch.running:
+            self._watch.stop()
+        self.onFatal()
+
+    def stopService(self) -> Deferred[None] | None:
+        """
+        Stop accepting at once, let transactions in flight end (each within
+        its deadline), then release the lock.
+        """
+        super().stopService()
+        if self._watch is not None and self._watch.running:
+            self._watch.stop()
+        self._watch = None
+        port, factory = self.port, self.factory
+        if port is None or factory is None:
+            self._release()
+            return None
+        self.log.info("hostpid-broker: stopping: {path}", path=self.socketPath)
+        stopped: Deferred[None] = maybeDeferred(port.stopListening)
+
+        def portClosed(_: object) -> Deferred[None]:
+            if port.removed:
+                self.log.info("hostpid-broker: socket removed: {path}", path=self.socketPath)
+            else:
+                self.log.warn(
+                    "hostpid-broker: socket left in place: {path} is no longer the socket "
+                    "this broker created",
+                    path=self.socketPath,
+                )
+            idle: Deferred[None] = Deferred()
+            factory.whenIdle(lambda: idle.callback(None))
+            return idle
+
+        def released(result: object) -> object:
+            self._release()
+            self.log.info("hostpid-broker: stopped; lock released")
+            return result
+
+        stopped.addCallback(portClosed)
+        stopped.addBoth(released)
+        return stopped
+
+    def _release(self) -> None:
+        for name in ("_lockFd", "_directoryFd"):
+            fd = getattr(self, name)
+            if fd is not None:
+                setattr(self, name, None)
+                os.close(fd)

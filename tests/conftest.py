@@ -1,0 +1,41 @@
+"""
+Fixtures shared by every test module.
+
+pytest-twisted installs the reactor itself (in C{pytest_configure}), so this
+file must not import the reactor at module level.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture
+def broker_dir(tmp_path: Path) -> Path:
+    """A directory for a broker that the test owns (not created yet)."""
+    return tmp_path / "broker"
+
+
+@pytest.fixture
+def clean_reactor() -> Iterator[None]:
+    """
+    Fail a real-reactor test that leaves a delayed call behind.
+
+    pytest-twisted does not check this itself; a leaked C{callLater} is exactly
+    the kind of bug a transaction deadline can have.
+    """
+    from twisted.internet import reactor
+
+    before = set(reactor.getDelayedCalls())  # type: ignore[attr-defined]
+    yield
+    leaked = [
+        call
+        for call in reactor.getDelayedCalls()  # type: ignore[attr-defined]
+        if call not in before and call.active()
+    ]
+    for call in leaked:
+        call.cancel()
+    assert not leaked, f"delayed calls left behind: {leaked}"

@@ -1,0 +1,254 @@
+"""
+Shared test support: real brokers in real processes, raw clients, and the
+privileged-test rule.
+
+Everything here talks to real sockets and real processes; nothing is mocked.
+Waits are bounded polls on a condition, never a bare sleep.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from hostpid import wire
+
+REPO = Path(__file__).resolve().parent.parent
+REQUIRE_PRIVILEGED = os.environ.get("HOSTPID_REQUIRE_PRIVILEGED") == "1"
+
+#: Used for every bounded wait: generous, since CI machines are shared.
+WAIT_SECONDS = 15.0
+
+
+def _skip_or_fail(reason: str) -> None:
+    """
+    Skip with C{reason}, except under C{HOSTPID_REQUIRE_PRIVILEGED=1}, where
+    a test that cannot run is a failure: CI must not go green by skipping.
+    """
+    if REQUIRE_PRIVILEGED:
+        pytest.fail(f"HOSTPID_REQUIRE_PRIVILEGED=1 but {reason}")
+    pytest.skip(reason)
+
+
+def require_root() -> None:
+    if os.geteuid() != 0:
+        _skip_or_fail("this test needs root (real namespaces, setuid children, root-owned paths)")
+
+
+def require_tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        _skip_or_fail(f"this test needs {name!r} on PATH")
+        raise AssertionError("unreachable")
+    return path
+
+
+def wait_for(
+    condition: Callable[[], object], what: str, timeout: float = WAIT_SECONDS
+) -> object:
+    """Poll C{condition} until it returns something true, failing after C{timeout}."""
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+def subprocess_env(extra: dict[str, str] | None = None, **more: str) -> dict[str, str]:
+    """
+    This process's environment with the working tree first on C{PYTHONPATH},
+    so that child processes run the code under test (and find its twistd
+    plugin) whether or not the package is installed.
+    """
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(REPO), env.get("PYTHONPATH", "")) if p
+    )
+    env.pop("NOTIFY_SOCKET", None)
+    if extra:
+        env.update(extra)
+    env.update(more)
+    return env
+
+
+TWISTD = [sys.executable, "-c", "from twisted.scripts.twistd import run; run()"]
+
+
+def twistd_argv(*broker_args: str) -> list[str]:
+    return [*TWISTD, "--nodaemon", "--pidfile=", "hostpid-broker", *broker_args]
+
+
+def hostpid_argv(*args: str) -> list[str]:
+    """The C{hostpid} command, run from the working tree."""
+    return [sys.executable, "-m", "hostpid.cli", *args]
+
+
+class BrokerProcess:
+    """
+    A real broker: C{twistd hostpid-broker} in its own process.
+
+    Output goes to a file so a chatty broker can never block on a full pipe.
+    """
+
+    def __init__(
+        self,
+        directory: Path | str,
+        args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        gate: str | None = "1",
+        preexec_fn: Callable[[], None] | None = None,
+        argv_prefix: Sequence[str] = (),
+    ) -> None:
+        self.directory = Path(directory)
+        self.socket_path = self.directory / "broker.sock"
+        extra = dict(env or {})
+        environment = subprocess_env(extra)
+        environment.pop("LIBVGPU_HOSTPID_BROKER", None)
+        if gate is not None:
+            environment["LIBVGPU_HOSTPID_BROKER"] = gate
+        self._log = tempfile.TemporaryFile()
+        self.argv = [
+            *argv_prefix,
+            *twistd_argv("--directory", str(self.directory), *args),
+        ]
+        self.process = subprocess.Popen(
+            self.argv,
+            env=environment,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=preexec_fn,
+            cwd=tempfile.gettempdir(),
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def output(self) -> str:
+        self._log.seek(0)
+        return self._log.read().decode("utf-8", "replace")
+
+    def wait_listening(self, timeout: float = WAIT_SECONDS) -> None:
+        """Wait until the broker answers a request, or fail with its output."""
+
+        def answering() -> bool:
+            if self.process.poll() is not None:
+                raise AssertionError(
+                    f"broker exited {self.process.returncode} before listening:\n"
+                    + self.output()
+                )
+            try:
+                return exchange(self.socket_path) is not None
+            except OSError:
+                return False
+
+        wait_for(answering, f"the broker at {self.socket_path}", timeout)
+
+    def wait_exit(self, timeout: float = WAIT_SECONDS) -> int:
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"broker did not exit within {timeout}s:\n{self.output()}"
+            ) from None
+
+    def terminate(self, timeout: float = WAIT_SECONDS) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.wait_exit(timeout)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+
+    def __enter__(self) -> BrokerProcess:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.kill()
+        self._log.close()
+
+
+@contextmanager
+def running_broker(directory: Path | str, *args: str, **kwargs: object) -> Iterator[BrokerProcess]:
+    """A broker started, waited for, and stopped with SIGTERM afterwards."""
+    with BrokerProcess(directory, args, **kwargs) as broker:  # type: ignore[arg-type]
+        broker.wait_listening()
+        yield broker
+        broker.terminate()
+
+
+def connect(path: Path | str, timeout: float = 5.0) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(os.fspath(path))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def read_until_eof(sock: socket.socket, limit: int = 64) -> bytes:
+    chunks = []
+    total = 0
+    while total < limit:
+        chunk = sock.recv(limit - total)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        total += len(chunk)
+    return b"".join(chunks)
+
+
+def exchange(
+    path: Path | str, payload: bytes = wire.GET_HOST_PID_REQUEST, timeout: float = 5.0
+) -> bytes:
+    """Send C{payload} on a fresh connection and return everything until EOF."""
+    with connect(path, timeout) as sock:
+        sock.sendall(payload)
+        return read_until_eof(sock)
+
+
+def ask_pid(path: Path | str, timeout: float = 5.0) -> int | None:
+    """The PID the broker reports for this process, or C{None} on any failure."""
+    try:
+        reply = exchange(path, timeout=timeout)
+    except OSError:
+        return None
+    if len(reply) != wire.RESPONSE_SIZE:
+        return None
+    response = wire.parse_response(reply)
+    if response.status != wire.Status.OK:
+        return None
+    return response.pid
+
+
+def nspid(pid: int) -> list[int]:
+    """The C{NSpid} line of C{/proc/PID/status}: host PID first, innermost last."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("NSpid:"):
+            return [int(field) for field in line.split()[1:]]
+    raise AssertionError(f"no NSpid in /proc/{pid}/status")
+
+
+def open_fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
