@@ -46,6 +46,8 @@ class Outcome(enum.Enum):
     PEER_CREDENTIALS = "peer_credentials_failed"
 
 
+_FAST_READ = 256
+
 #: Outcomes that are a client's or the kernel's failure, logged rate-limited.
 FAILURES = frozenset(Outcome) - {Outcome.OK}
 
@@ -214,7 +216,10 @@ class BrokerFactory(Factory):
         none) for the general path to continue from.  Never blocks.
         """
         try:
-            data = sock.recv(wire.REQUEST_SIZE, socket.MSG_DONTWAIT)
+            # Read a little more than the request: bytes after the 8th are
+            # ignored, and swallowing them here means closing the socket does
+            # not reset the connection before the client reads its reply.
+            data = sock.recv(_FAST_READ, socket.MSG_DONTWAIT)
         except BlockingIOError:
             return b""
         except OSError:
@@ -228,7 +233,7 @@ class BrokerFactory(Factory):
             sock.close()
             self.record(Outcome.SHORT)
             return None
-        outcome, reply = answer(data, lambda: peer_credentials(sock))
+        outcome, reply = answer(data[: wire.REQUEST_SIZE], lambda: peer_credentials(sock))
         self.record(outcome)
         if reply is not None:
             try:

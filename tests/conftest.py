@@ -7,6 +7,8 @@ file must not import the reactor at module level.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +19,19 @@ import pytest
 def broker_dir(tmp_path: Path) -> Path:
     """A directory for a broker that the test owns (not created yet)."""
     return tmp_path / "broker"
+
+
+@pytest.fixture
+def public_tmp() -> Iterator[Path]:
+    """
+    A private-by-name but world-traversable (0755) temporary directory under
+    /tmp, for tests whose other-UID processes must reach a socket in it
+    (pytest's own tmp_path sits under a 0700 directory).
+    """
+    path = Path(tempfile.mkdtemp(prefix="hostpid-test-", dir="/tmp"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

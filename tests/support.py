@@ -94,6 +94,26 @@ def twistd_argv(*broker_args: str) -> list[str]:
     return [*TWISTD, "--nodaemon", "--pidfile=", "hostpid-broker", *broker_args]
 
 
+def as_user_argv(uid: int, argv: Sequence[str], gid: int | None = None) -> list[str]:
+    """
+    C{argv} run as C{uid} (a real UID and effective UID change via setpriv).
+
+    The process keeps one capability, CAP_DAC_READ_SEARCH, as an ambient
+    capability: the interpreter lives under C{/root} (mode 0700) and a CI
+    checkout may sit in a 0700 temporary directory, and this is what lets a
+    non-root process load them.  It changes nothing the tests check: the
+    kernel still reports UID C{uid} through SO_PEERCRED, the process still
+    cannot write what C{uid} cannot write, and C{geteuid()} is C{uid}.
+    """
+    require_tool("setpriv")
+    group = uid if gid is None else gid
+    return [
+        "setpriv", f"--reuid={uid}", f"--regid={group}", "--clear-groups",
+        "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search",
+        *argv,
+    ]
+
+
 def hostpid_argv(*args: str) -> list[str]:
     """The C{hostpid} command, run from the working tree."""
     return [sys.executable, "-m", "hostpid.cli", *args]
@@ -108,15 +128,16 @@ class BrokerProcess:
 
     def __init__(
         self,
-        directory: Path | str,
+        directory: Path | str | None,
         args: Sequence[str] = (),
         env: dict[str, str] | None = None,
         gate: str | None = "1",
         preexec_fn: Callable[[], None] | None = None,
         argv_prefix: Sequence[str] = (),
     ) -> None:
-        self.directory = Path(directory)
+        self.directory = Path(directory if directory is not None else "/var/run/hami/hostpid")
         self.socket_path = self.directory / "broker.sock"
+        where = ["--directory", str(self.directory)] if directory is not None else []
         extra = dict(env or {})
         environment = subprocess_env(extra)
         environment.pop("LIBVGPU_HOSTPID_BROKER", None)
@@ -125,7 +146,7 @@ class BrokerProcess:
         self._log = tempfile.TemporaryFile()
         self.argv = [
             *argv_prefix,
-            *twistd_argv("--directory", str(self.directory), *args),
+            *twistd_argv(*where, *args),
         ]
         self.process = subprocess.Popen(
             self.argv,

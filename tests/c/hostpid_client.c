@@ -1,0 +1,320 @@
+/*
+ * A contract client for the host PID broker, protocol version 1.
+ *
+ * It exists to prove that the Twisted broker is byte-compatible with a C
+ * peer that applies HAMi-core's trust rules.  It applies the same checks as
+ * hostpid.client, in the same order and under the same names:
+ *
+ *   gate, directory, socket, read-only-mount, (connect), peer-uid, reply,
+ *   and one monotonic deadline over connect, write and read (deadline).
+ *
+ * Usage:
+ *   hostpid_client [--socket PATH] [--trusted-uid UID] [--deadline-ms MS]
+ *                  [--without CHECK]... [--barrier-fd FD]
+ *
+ * --without turns off one of directory, socket, read-only-mount, peer-uid.
+ * --barrier-fd FD blocks reading FD until end of file before starting, so a
+ * test can release hundreds of clients at once.
+ *
+ * Success: prints "HOSTPID GETPID" (the broker's answer and this process's
+ * own getpid()) on stdout and exits 0.  Failure: prints
+ * "hostpid_client: CHECK: OBSERVED" on stderr and exits 1.  Usage: exit 2.
+ * It never sends a PID and never prints one the reply did not carry.
+ */
+
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <poll.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#define RESPONSE_SIZE 12
+#define REQUEST_SIZE 8
+
+enum { SKIP_DIRECTORY = 1, SKIP_SOCKET = 2, SKIP_READ_ONLY = 4, SKIP_PEER_UID = 8 };
+
+struct options {
+    const char *socket_path;
+    uid_t trusted_uid;
+    long deadline_ms;
+    unsigned skipped;
+    int barrier_fd;
+};
+
+static int fail(const char *check, const char *format, ...)
+{
+    va_list args;
+    fprintf(stderr, "hostpid_client: %s: ", check);
+    va_start(args, format);
+    vfprintf(stderr, format, args);
+    va_end(args);
+    fputc('\n', stderr);
+    return 1;
+}
+
+static double now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static const char *kind(mode_t mode)
+{
+    if (S_ISSOCK(mode)) return "socket";
+    if (S_ISLNK(mode)) return "symlink";
+    if (S_ISREG(mode)) return "regular file";
+    if (S_ISDIR(mode)) return "directory";
+    if (S_ISFIFO(mode)) return "fifo";
+    return "other file type";
+}
+
+static int usage(const char *message)
+{
+    fprintf(stderr, "hostpid_client: usage: %s\n", message);
+    return 2;
+}
+
+static int parse(int argc, char **argv, struct options *options)
+{
+    options->socket_path = "/tmp/vgpulock/hostpid/broker.sock";
+    options->trusted_uid = 0;
+    options->deadline_ms = 500;
+    options->skipped = 0;
+    options->barrier_fd = -1;
+    for (int i = 1; i < argc; i++) {
+        const char *value = i + 1 < argc ? argv[i + 1] : NULL;
+        if (value == NULL)
+            return usage("every option takes a value");
+        if (strcmp(argv[i], "--socket") == 0) {
+            options->socket_path = value;
+        } else if (strcmp(argv[i], "--trusted-uid") == 0) {
+            options->trusted_uid = (uid_t)strtoul(value, NULL, 10);
+        } else if (strcmp(argv[i], "--deadline-ms") == 0) {
+            options->deadline_ms = strtol(value, NULL, 10);
+            if (options->deadline_ms <= 0)
+                return usage("--deadline-ms must be positive");
+        } else if (strcmp(argv[i], "--barrier-fd") == 0) {
+            options->barrier_fd = (int)strtol(value, NULL, 10);
+        } else if (strcmp(argv[i], "--without") == 0) {
+            if (strcmp(value, "directory") == 0) options->skipped |= SKIP_DIRECTORY;
+            else if (strcmp(value, "socket") == 0) options->skipped |= SKIP_SOCKET;
+            else if (strcmp(value, "read-only-mount") == 0) options->skipped |= SKIP_READ_ONLY;
+            else if (strcmp(value, "peer-uid") == 0) options->skipped |= SKIP_PEER_UID;
+            else return usage("--without takes directory, socket, read-only-mount or peer-uid");
+        } else {
+            return usage("unknown option");
+        }
+        i++;
+    }
+    return 0;
+}
+
+/* Wait for EVENTS on FD until DEADLINE; 0 when ready, -1 when it passed. */
+static int wait_for(int fd, short events, double deadline)
+{
+    for (;;) {
+        double left = deadline - now();
+        if (left <= 0)
+            return -1;
+        struct pollfd p = {.fd = fd, .events = events};
+        int ready = poll(&p, 1, (int)(left * 1000.0) + 1);
+        if (ready > 0)
+            return 0;
+        if (ready < 0 && errno != EINTR)
+            return 0; /* let the following call report the error */
+    }
+}
+
+int main(int argc, char **argv)
+{
+    struct options options;
+    int status = parse(argc, argv, &options);
+    if (status != 0)
+        return status;
+
+    if (options.barrier_fd >= 0) {
+        char byte;
+        for (;;) {
+            ssize_t n = read(options.barrier_fd, &byte, 1);
+            if (n == 0 || (n < 0 && errno != EINTR))
+                break;
+        }
+        close(options.barrier_fd);
+    }
+
+    /* gate */
+    const char *gate = getenv("LIBVGPU_HOSTPID_BROKER");
+    if (gate == NULL || strcmp(gate, "1") != 0)
+        return fail("gate", "LIBVGPU_HOSTPID_BROKER=%s%s%s", gate ? "'" : "",
+                    gate ? gate : "unset", gate ? "'" : "");
+
+    char directory[PATH_MAX];
+    const char *slash = strrchr(options.socket_path, '/');
+    const char *name = slash ? slash + 1 : options.socket_path;
+    if (slash == NULL) {
+        strcpy(directory, ".");
+    } else if (slash == options.socket_path) {
+        strcpy(directory, "/");
+    } else {
+        size_t length = (size_t)(slash - options.socket_path);
+        if (length >= sizeof directory)
+            return usage("socket path too long");
+        memcpy(directory, options.socket_path, length);
+        directory[length] = '\0';
+    }
+
+    /* directory: judged from its lstat, through one O_PATH descriptor */
+    int directory_fd = open(directory, O_PATH | O_NOFOLLOW | O_CLOEXEC);
+    if (directory_fd < 0)
+        return fail("directory", "cannot open: %s", strerror(errno));
+    struct stat info;
+    if (fstat(directory_fd, &info) != 0)
+        return fail("directory", "cannot fstat: %s", strerror(errno));
+    if (!(options.skipped & SKIP_DIRECTORY)) {
+        if (!S_ISDIR(info.st_mode))
+            return fail("directory", "%s: not a real directory", kind(info.st_mode));
+        if (info.st_uid != options.trusted_uid)
+            return fail("directory", "owner uid %u is not uid %u", (unsigned)info.st_uid,
+                        (unsigned)options.trusted_uid);
+        if (info.st_mode & (S_IWGRP | S_IWOTH))
+            return fail("directory", "mode %04o: group or other may write",
+                        (unsigned)(info.st_mode & 07777));
+    } else if (S_ISLNK(info.st_mode)) {
+        close(directory_fd);
+        directory_fd = open(directory, O_PATH | O_DIRECTORY | O_CLOEXEC);
+        if (directory_fd < 0)
+            return fail("directory", "cannot open: %s", strerror(errno));
+    }
+
+    /* socket */
+    if (fstatat(directory_fd, name, &info, AT_SYMLINK_NOFOLLOW) != 0)
+        return fail("socket", "cannot lstat: %s", strerror(errno));
+    if (!(options.skipped & SKIP_SOCKET)) {
+        if (!S_ISSOCK(info.st_mode))
+            return fail("socket", "%s: not a socket", kind(info.st_mode));
+        if (info.st_uid != options.trusted_uid)
+            return fail("socket", "owner uid %u is not uid %u", (unsigned)info.st_uid,
+                        (unsigned)options.trusted_uid);
+    }
+
+    /* read-only-mount */
+    struct statvfs mount;
+    if (!(options.skipped & SKIP_READ_ONLY)) {
+        if (fstatvfs(directory_fd, &mount) != 0)
+            return fail("read-only-mount", "cannot statvfs: %s", strerror(errno));
+        if (!(mount.f_flag & ST_RDONLY))
+            return fail("read-only-mount", "read-write mount");
+    }
+
+    /* connect, through the checked directory when procfs agrees */
+    struct sockaddr_un address = {.sun_family = AF_UNIX};
+    struct stat seen, held;
+    char via[64];
+    snprintf(via, sizeof via, "/proc/self/fd/%d", directory_fd);
+    int through_fd = stat(via, &seen) == 0 && fstat(directory_fd, &held) == 0 &&
+                     seen.st_dev == held.st_dev && seen.st_ino == held.st_ino;
+    int written = through_fd
+        ? snprintf(address.sun_path, sizeof address.sun_path, "%s/%s", via, name)
+        : snprintf(address.sun_path, sizeof address.sun_path, "%s", options.socket_path);
+    if (written < 0 || (size_t)written >= sizeof address.sun_path) {
+        written = snprintf(address.sun_path, sizeof address.sun_path, "%s",
+                           options.socket_path);
+        if (written < 0 || (size_t)written >= sizeof address.sun_path)
+            return fail("connect", "socket path too long");
+    }
+
+    double deadline = now() + (double)options.deadline_ms / 1000.0;
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return fail("connect", "socket: %s", strerror(errno));
+    long backoff_us = 1000;
+    while (connect(fd, (struct sockaddr *)&address, sizeof address) != 0) {
+        if (errno != EAGAIN && errno != EINTR)
+            return fail("connect", "%s", strerror(errno));
+        double left = deadline - now();
+        if (left <= 0)
+            return fail("deadline", "%.3g s passed while connecting: accept queue full (EAGAIN)",
+                        (double)options.deadline_ms / 1000.0);
+        long sleep_us = backoff_us;
+        if ((double)sleep_us > left * 1e6)
+            sleep_us = (long)(left * 1e6) + 1;
+        struct timespec pause = {.tv_sec = 0, .tv_nsec = sleep_us * 1000};
+        nanosleep(&pause, NULL);
+        backoff_us = backoff_us * 2 > 10000 ? 10000 : backoff_us * 2;
+    }
+    close(directory_fd);
+
+    /* peer-uid, before a byte is sent */
+    struct ucred credentials;
+    socklen_t size = sizeof credentials;
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &credentials, &size) != 0) {
+        if (!(options.skipped & SKIP_PEER_UID))
+            return fail("peer-uid", "cannot read SO_PEERCRED: %s", strerror(errno));
+    } else if (!(options.skipped & SKIP_PEER_UID) && credentials.uid != options.trusted_uid) {
+        return fail("peer-uid", "uid %u (pid %d): not uid %u", (unsigned)credentials.uid,
+                    (int)credentials.pid, (unsigned)options.trusted_uid);
+    }
+
+    /* the request: magic, version 1, command 1; never a PID */
+    const unsigned char request[REQUEST_SIZE] = {'H', 'P', 'I', 'D', 0, 1, 0, 1};
+    size_t sent = 0;
+    while (sent < sizeof request) {
+        if (wait_for(fd, POLLOUT, deadline) != 0)
+            return fail("deadline", "%.3g s passed sending the request",
+                        (double)options.deadline_ms / 1000.0);
+        ssize_t n = send(fd, request + sent, sizeof request - sent, MSG_NOSIGNAL);
+        if (n < 0) {
+            if (errno == EAGAIN || errno == EINTR)
+                continue;
+            return fail("reply", "cannot send: %s", strerror(errno));
+        }
+        sent += (size_t)n;
+    }
+
+    unsigned char reply[RESPONSE_SIZE];
+    size_t got = 0;
+    while (got < sizeof reply) {
+        if (wait_for(fd, POLLIN, deadline) != 0)
+            return fail("deadline", "%.3g s passed waiting for the reply (%zu of %d bytes)",
+                        (double)options.deadline_ms / 1000.0, got, RESPONSE_SIZE);
+        ssize_t n = recv(fd, reply + got, sizeof reply - got, 0);
+        if (n < 0) {
+            if (errno == EAGAIN || errno == EINTR)
+                continue;
+            return fail("reply", "cannot receive after %zu bytes: %s", got, strerror(errno));
+        }
+        if (n == 0)
+            return fail("reply", "cut short: %zu of %d bytes", got, RESPONSE_SIZE);
+        got += (size_t)n;
+    }
+    close(fd);
+
+    /* reply: magic, version, status, PID, in that order */
+    if (memcmp(reply, "HPID", 4) != 0)
+        return fail("reply", "bad magic");
+    unsigned version = ((unsigned)reply[4] << 8) | reply[5];
+    unsigned code = ((unsigned)reply[6] << 8) | reply[7];
+    uint32_t pid = ((uint32_t)reply[8] << 24) | ((uint32_t)reply[9] << 16) |
+                   ((uint32_t)reply[10] << 8) | (uint32_t)reply[11];
+    if (version != 1)
+        return fail("reply", "bad version %u", version);
+    if (code != 0)
+        return fail("reply", "status %u, not 0", code);
+    if (pid < 1 || pid > (uint32_t)INT32_MAX)
+        return fail("reply", "PID %u outside 1..%d", (unsigned)pid, INT32_MAX);
+
+    printf("%u %d\n", (unsigned)pid, (int)getpid());
+    return 0;
+}

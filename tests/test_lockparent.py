@@ -1,0 +1,560 @@
+"""
+Lock parent preparation and the broker mountpoint (issues 4 and 9), in a
+private tree on the real filesystem, as root.
+
+Planted entries are made by a real process running as UID 1000 (a forked
+child that drops its privileges), so ownership and the sticky bit are the
+kernel's, not the test's imitation of them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import tempfile
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from twisted.logger import globalLogPublisher
+
+from hostpid.lockparent import (
+    MOUNTPOINT_ATTEMPTS,
+    QUARANTINE_PREFIX,
+    LockParentError,
+    PreparedLockParent,
+    prepare_lock_parent,
+)
+from tests.support import hostpid_argv, require_root, subprocess_env
+
+WORKLOAD_UID = 1000
+OTHER_UID = 1234
+MARKER = "do not touch\n"
+
+
+@pytest.fixture
+def tree() -> Iterator[Path]:
+    """
+    A root-owned 0755 directory directly in C{/tmp}, standing in for C{/tmp}.
+
+    Not pytest's C{tmp_path}: that lives under a 0700 directory a UID 1000
+    child could not traverse.
+    """
+    require_root()
+    path = Path(tempfile.mkdtemp(prefix="hostpid-lockparent-", dir="/tmp"))
+    os.chmod(path, 0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path)
+
+
+def run_as(uid: int, action: Callable[[], None]) -> None:
+    """
+    Run C{action} in a forked child that has dropped to C{uid} (and the same
+    GID), and fail with the child's traceback if it fails.
+    """
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        status = 1
+        try:
+            os.close(read_end)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            action()
+            status = 0
+        except BaseException:
+            os.write(write_end, traceback.format_exc().encode())
+        finally:
+            os._exit(status)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as errors:
+        message = errors.read().decode()
+    _, wait_status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(wait_status) == 0, f"UID {uid} child failed:\n{message}"
+
+
+def identity(path: Path) -> tuple[int, int, int, int, int]:
+    """What must not change about an entry we promise not to touch."""
+    st = os.lstat(path)
+    return (st.st_dev, st.st_ino, st.st_mode, st.st_uid, st.st_mtime_ns)
+
+
+def prepare(tree: Path, **kwargs: object) -> PreparedLockParent:
+    kwargs.setdefault("broker_enabled", False)
+    return prepare_lock_parent(str(tree / "vgpulock"), **kwargs)  # type: ignore[arg-type]
+
+
+def assert_lock_parent(path: Path) -> None:
+    st = os.lstat(path)
+    assert stat.S_ISDIR(st.st_mode)
+    assert st.st_uid == 0
+    assert stat.S_IMODE(st.st_mode) == 0o1777
+
+
+def assert_mountpoint(path: Path) -> None:
+    st = os.lstat(path)
+    assert stat.S_ISDIR(st.st_mode), f"{path} is not a directory"
+    assert st.st_uid == 0
+    assert stat.S_IMODE(st.st_mode) == 0o755
+
+
+# The lock parent (issue 4) -------------------------------------------------
+
+
+def test_fresh_lock_parent(tree: Path) -> None:
+    prepared = prepare(tree)
+    assert_lock_parent(tree / "vgpulock")
+    st = os.stat(tree / "vgpulock")
+    assert (prepared.device, prepared.inode) == (st.st_dev, st.st_ino)
+    assert prepared.path == str(tree / "vgpulock")
+    assert not prepared.broker_mountpoint
+    assert os.listdir(tree / "vgpulock") == []
+
+
+def test_preparing_twice_keeps_the_same_directory(tree: Path) -> None:
+    first = prepare(tree)
+    (tree / "vgpulock" / "lock.0").write_text("held")
+    second = prepare(tree)
+    assert (first.device, first.inode) == (second.device, second.inode)
+    assert (tree / "vgpulock" / "lock.0").read_text() == "held"
+
+
+def test_umask_077_still_yields_01777(tree: Path) -> None:
+    old = os.umask(0o077)
+    try:
+        prepare(tree, broker_enabled=True)
+    finally:
+        os.umask(old)
+    assert_lock_parent(tree / "vgpulock")
+    assert_mountpoint(tree / "vgpulock" / "hostpid")
+
+
+def test_existing_0755_child_fixed_to_01777(tree: Path) -> None:
+    os.mkdir(tree / "vgpulock")
+    os.chmod(tree / "vgpulock", 0o755)
+    prepare(tree)
+    assert_lock_parent(tree / "vgpulock")
+
+
+def test_parent_owned_by_another_uid(tree: Path) -> None:
+    os.chown(tree, OTHER_UID, OTHER_UID)
+    with pytest.raises(LockParentError) as caught:
+        prepare(tree)
+    assert caught.value.path == str(tree)
+    assert f"owned by UID {OTHER_UID}" in caught.value.rule
+    assert not (tree / "vgpulock").exists()
+
+
+def test_parent_writable_without_sticky_bit(tree: Path) -> None:
+    os.chmod(tree, 0o777)
+    with pytest.raises(LockParentError) as caught:
+        prepare(tree)
+    assert "without the sticky bit" in str(caught.value)
+    assert not (tree / "vgpulock").exists()
+
+
+def test_parent_writable_with_sticky_bit_is_fine(tree: Path) -> None:
+    os.chmod(tree, 0o1777)
+    prepare(tree)
+    assert_lock_parent(tree / "vgpulock")
+
+
+def test_group_writable_parent_without_sticky_bit(tree: Path) -> None:
+    os.chmod(tree, 0o775)
+    with pytest.raises(LockParentError, match="without the sticky bit"):
+        prepare(tree)
+
+
+def test_child_is_a_regular_file(tree: Path) -> None:
+    (tree / "vgpulock").write_text(MARKER)
+    before = identity(tree / "vgpulock")
+    with pytest.raises(LockParentError) as caught:
+        prepare(tree)
+    assert caught.value.rule == "is a regular file, not a directory (left untouched)"
+    assert identity(tree / "vgpulock") == before
+    assert (tree / "vgpulock").read_text() == MARKER
+
+
+def test_child_is_a_symlink_target_untouched(tree: Path) -> None:
+    target = tree / "elsewhere"
+    target.mkdir(mode=0o700)
+    (target / "marker").write_text(MARKER)
+    (tree / "vgpulock").symlink_to(target)
+    before = identity(target)
+    with pytest.raises(LockParentError) as caught:
+        prepare(tree, broker_enabled=True)
+    assert "symlink" in caught.value.rule
+    assert identity(target) == before
+    assert stat.S_IMODE(os.stat(target).st_mode) == 0o700
+    assert os.listdir(target) == ["marker"]
+    assert (target / "marker").read_text() == MARKER
+
+
+def test_symlinked_parent(tree: Path) -> None:
+    real = tree / "real"
+    real.mkdir(mode=0o755)
+    (tree / "link").symlink_to(real)
+    with pytest.raises(LockParentError) as caught:
+        prepare_lock_parent(str(tree / "link" / "vgpulock"), broker_enabled=False)
+    assert caught.value.path == str(tree / "link")
+    assert "symlink" in caught.value.rule
+    assert os.listdir(real) == []
+
+
+def test_symlinked_ancestor(tree: Path) -> None:
+    (tree / "real" / "tmp").mkdir(parents=True, mode=0o755)
+    (tree / "link").symlink_to(tree / "real")
+    with pytest.raises(LockParentError, match="symlink"):
+        prepare_lock_parent(str(tree / "link" / "tmp" / "vgpulock"), broker_enabled=False)
+    assert os.listdir(tree / "real" / "tmp") == []
+
+
+def test_ancestor_writable_by_others(tree: Path) -> None:
+    (tree / "open").mkdir()
+    os.chmod(tree / "open", 0o777)
+    (tree / "open" / "tmp").mkdir(mode=0o755)
+    with pytest.raises(LockParentError) as caught:
+        prepare_lock_parent(str(tree / "open" / "tmp" / "vgpulock"), broker_enabled=False)
+    assert caught.value.path == str(tree / "open")
+    assert not (tree / "open" / "tmp" / "vgpulock").exists()
+
+
+def test_child_owned_by_another_uid(tree: Path) -> None:
+    (tree / "vgpulock").mkdir()
+    os.chmod(tree / "vgpulock", 0o755)
+    os.chown(tree / "vgpulock", OTHER_UID, OTHER_UID)
+    before = identity(tree / "vgpulock")
+    with pytest.raises(LockParentError) as caught:
+        prepare(tree)
+    assert f"owned by UID {OTHER_UID}, not the trusted UID 0" in caught.value.rule
+    assert identity(tree / "vgpulock") == before
+
+
+@pytest.mark.parametrize("path", ["relative/vgpulock", "/", "/tmp/../tmp/vgpulock", "/tmp/./x"])
+def test_unclean_paths_refused(path: str) -> None:
+    with pytest.raises(LockParentError):
+        prepare_lock_parent(path, broker_enabled=False)
+
+
+def test_trusted_uid_is_a_parameter(tree: Path) -> None:
+    """A private tree owned by another UID is prepared when that UID is trusted."""
+    os.chown(tree, OTHER_UID, OTHER_UID)
+
+    def hand_over(step: str) -> None:
+        # Root makes entries owned by root, which that rule refuses: hand
+        # each new directory to the trusted UID as its owner would have made it.
+        if step == "lock-parent-made":
+            os.chown(tree / "vgpulock", OTHER_UID, OTHER_UID)
+        if step == "mountpoint-made":
+            os.chown(tree / "vgpulock" / "hostpid", OTHER_UID, OTHER_UID)
+
+    prepared = prepare(tree, trusted_uid=OTHER_UID, broker_enabled=True, between_steps=hand_over)
+    assert prepared.path == str(tree / "vgpulock")
+    assert os.stat(tree / "vgpulock").st_uid == OTHER_UID
+    assert os.stat(tree / "vgpulock" / "hostpid").st_uid == OTHER_UID
+    with pytest.raises(LockParentError, match=f"owned by UID {OTHER_UID}"):
+        prepare(tree)
+
+
+# Replacement during preparation -------------------------------------------
+
+
+def _replace_with_directory(path: Path) -> None:
+    os.rename(path, path.with_name("moved-aside"))
+    os.mkdir(path, 0o1777)
+    os.chmod(path, 0o1777)
+
+
+def _replace_with_symlink(path: Path) -> None:
+    os.rename(path, path.with_name("moved-aside"))
+    os.symlink(path.with_name("moved-aside"), path)
+
+
+def _chmod_0755(path: Path) -> None:
+    os.chmod(path, 0o755)
+
+
+@pytest.mark.parametrize(
+    ("step", "change", "expected"),
+    [
+        ("lock-parent-made", _replace_with_symlink, "is a symlink"),
+        ("lock-parent-opened", _replace_with_directory, "changed while prepared"),
+        ("lock-parent-mode-set", _replace_with_directory, "changed while prepared"),
+        ("lock-parent-mode-set", _replace_with_symlink, "changed while prepared"),
+        ("lock-parent-mode-set", _chmod_0755, "changed while prepared: mode is 0755"),
+    ],
+)
+def test_child_replaced_during_preparation(
+    tree: Path, step: str, change: Callable[[Path], None], expected: str
+) -> None:
+    seen: list[str] = []
+
+    def hook(name: str) -> None:
+        seen.append(name)
+        if name == step:
+            change(tree / "vgpulock")
+
+    with pytest.raises(LockParentError) as caught:
+        prepare(tree, between_steps=hook)
+    assert expected in caught.value.rule
+    assert caught.value.path == str(tree / "vgpulock")
+    assert step in seen
+
+
+def test_steps_are_reported_in_order(tree: Path) -> None:
+    seen: list[str] = []
+    prepare(tree, broker_enabled=True, between_steps=seen.append)
+    assert seen == [
+        "parent-opened",
+        "lock-parent-made",
+        "lock-parent-opened",
+        "lock-parent-mode-set",
+        "mountpoint-made",
+        "mountpoint-opened",
+        "mountpoint-mode-set",
+    ]
+
+
+# The broker mountpoint (issue 9) ------------------------------------------
+
+
+def test_broker_enabled_makes_the_mountpoint(tree: Path) -> None:
+    prepared = prepare(tree, broker_enabled=True)
+    assert prepared.broker_mountpoint
+    assert prepared.repair_count == 0
+    assert_mountpoint(tree / "vgpulock" / "hostpid")
+    again = prepare(tree, broker_enabled=True)
+    assert again.repair_count == 0
+
+
+def test_broker_disabled_makes_no_mountpoint(tree: Path) -> None:
+    prepared = prepare(tree, broker_enabled=False)
+    assert not prepared.broker_mountpoint
+    assert not (tree / "vgpulock" / "hostpid").exists()
+
+
+def _plant_file(mountpoint: Path) -> None:
+    mountpoint.write_text("planted\n")
+
+
+def _plant_symlink(mountpoint: Path) -> None:
+    mountpoint.symlink_to(mountpoint.parent.parent / "target")
+
+
+def _plant_empty_directory(mountpoint: Path) -> None:
+    mountpoint.mkdir()
+
+
+def _plant_full_directory(mountpoint: Path) -> None:
+    mountpoint.mkdir()
+    (mountpoint / "evidence").write_text("the workload's own file\n")
+    (mountpoint / "sub").mkdir()
+    (mountpoint / "sub" / "deeper").write_text("deeper\n")
+
+
+PLANTED = {
+    "regular file": (_plant_file, "regular file", "removed"),
+    "symlink to a directory": (_plant_symlink, "symlink", "removed"),
+    "empty directory": (_plant_empty_directory, "directory", "quarantined"),
+    "non-empty directory": (_plant_full_directory, "directory", "quarantined"),
+}
+
+
+@pytest.fixture
+def planted_tree(tree: Path) -> Path:
+    """A prepared lock parent and a root-owned symlink target with a marker."""
+    prepare(tree, broker_enabled=False)
+    target = tree / "target"
+    target.mkdir(mode=0o755)
+    (target / "marker").write_text(MARKER)
+    return tree
+
+
+@pytest.mark.parametrize("case", sorted(PLANTED))
+def test_planted_mountpoint_repaired(planted_tree: Path, case: str) -> None:
+    plant, found, action = PLANTED[case]
+    mountpoint = planted_tree / "vgpulock" / "hostpid"
+    run_as(WORKLOAD_UID, lambda: plant(mountpoint))
+    assert os.lstat(mountpoint).st_uid == WORKLOAD_UID
+    target = planted_tree / "target"
+    target_before = identity(target)
+    events: list[dict[str, object]] = []
+    globalLogPublisher.addObserver(events.append)
+    try:
+        prepared = prepare(planted_tree, broker_enabled=True)
+    finally:
+        globalLogPublisher.removeObserver(events.append)
+
+    assert_mountpoint(mountpoint)
+    assert os.listdir(mountpoint) == []
+    assert prepared.repair_count == 1
+    (repair,) = prepared.repairs
+    assert (repair.found, repair.owner_uid, repair.action) == (found, WORKLOAD_UID, action)
+    logged = [e for e in events if e.get("log_namespace") == "hostpid.lockparent"]
+    assert [(e["found"], e["owner_uid"], e["action"]) for e in logged] == [
+        (found, WORKLOAD_UID, action)
+    ]
+    # The symlink's target and its marker are untouched, whatever was planted.
+    assert identity(target) == target_before
+    assert os.listdir(target) == ["marker"]
+    assert (target / "marker").read_text() == MARKER
+
+    entries = sorted(os.listdir(planted_tree / "vgpulock"))
+    if action == "quarantined":
+        assert repair.quarantine_name is not None
+        assert repair.quarantine_name.startswith(QUARANTINE_PREFIX)
+        assert entries == sorted(["hostpid", repair.quarantine_name])
+        quarantined = planted_tree / "vgpulock" / repair.quarantine_name
+        assert os.lstat(quarantined).st_uid == WORKLOAD_UID
+        if case == "non-empty directory":
+            assert (quarantined / "evidence").read_text() == "the workload's own file\n"
+            assert (quarantined / "sub" / "deeper").read_text() == "deeper\n"
+        else:
+            assert os.listdir(quarantined) == []
+    else:
+        assert repair.quarantine_name is None
+        assert entries == ["hostpid"]
+
+    # Once repaired, the next preparation has nothing to do.
+    assert prepare(planted_tree, broker_enabled=True).repair_count == 0
+
+
+@pytest.mark.parametrize("case", sorted(PLANTED))
+def test_planted_mountpoint_untouched_when_disabled(planted_tree: Path, case: str) -> None:
+    plant, _, _ = PLANTED[case]
+    mountpoint = planted_tree / "vgpulock" / "hostpid"
+    run_as(WORKLOAD_UID, lambda: plant(mountpoint))
+    before = identity(mountpoint)
+    listing = sorted(os.listdir(mountpoint)) if not mountpoint.is_symlink() and \
+        mountpoint.is_dir() else None
+    target_before = identity(planted_tree / "target")
+
+    prepared = prepare(planted_tree, broker_enabled=False)
+
+    assert prepared.repair_count == 0
+    assert identity(mountpoint) == before
+    assert os.listdir(planted_tree / "vgpulock") == ["hostpid"]
+    if listing is not None:
+        assert sorted(os.listdir(mountpoint)) == listing
+    assert identity(planted_tree / "target") == target_before
+    assert (planted_tree / "target" / "marker").read_text() == MARKER
+
+
+def test_root_owned_mountpoint_with_wrong_mode_restored(tree: Path) -> None:
+    prepare(tree, broker_enabled=True)
+    mountpoint = tree / "vgpulock" / "hostpid"
+    os.chmod(mountpoint, 0o777)
+    inode = os.stat(mountpoint).st_ino
+    prepared = prepare(tree, broker_enabled=True)
+    assert [(r.found, r.owner_uid, r.mode, r.action) for r in prepared.repairs] == [
+        ("directory", 0, 0o777, "mode restored")
+    ]
+    assert_mountpoint(mountpoint)
+    assert os.stat(mountpoint).st_ino == inode
+
+
+def test_mountpoint_replaced_after_open_is_detected(tree: Path) -> None:
+    mountpoint = tree / "vgpulock" / "hostpid"
+
+    def hook(step: str) -> None:
+        if step == "mountpoint-opened":
+            os.rename(mountpoint, tree / "vgpulock" / "aside")
+            os.mkdir(mountpoint, 0o755)
+
+    with pytest.raises(LockParentError) as caught:
+        prepare(tree, broker_enabled=True, between_steps=hook)
+    assert caught.value.path == str(mountpoint)
+    assert "changed while prepared" in caught.value.rule
+
+
+def test_mountpoint_mode_changed_after_chmod_is_detected(tree: Path) -> None:
+    mountpoint = tree / "vgpulock" / "hostpid"
+
+    def hook(step: str) -> None:
+        if step == "mountpoint-mode-set":
+            os.chmod(mountpoint, 0o777)
+
+    with pytest.raises(LockParentError, match="changed while prepared: mode is 0777"):
+        prepare(tree, broker_enabled=True, between_steps=hook)
+
+
+def test_mountpoint_planted_between_mkdir_and_open_is_repaired(tree: Path) -> None:
+    """A workload that wins the race once is repaired on the next look."""
+    mountpoint = tree / "vgpulock" / "hostpid"
+    raced: list[str] = []
+
+    def hook(step: str) -> None:
+        if step == "mountpoint-made" and not raced:
+            raced.append(step)
+            os.rmdir(mountpoint)
+            run_as(WORKLOAD_UID, lambda: os.symlink("/etc", mountpoint))
+
+    prepared = prepare(tree, broker_enabled=True, between_steps=hook)
+    assert raced
+    assert [(r.found, r.owner_uid, r.action) for r in prepared.repairs] == [
+        ("symlink", WORKLOAD_UID, "removed")
+    ]
+    assert_mountpoint(mountpoint)
+
+
+def test_mountpoint_that_keeps_being_replaced_fails(tree: Path) -> None:
+    mountpoint = tree / "vgpulock" / "hostpid"
+    rounds: list[str] = []
+
+    def hook(step: str) -> None:
+        if step == "mountpoint-made":
+            rounds.append(step)
+            os.rmdir(mountpoint)
+            run_as(WORKLOAD_UID, lambda: mountpoint.write_text("again\n"))
+
+    with pytest.raises(LockParentError, match="kept being replaced"):
+        prepare(tree, broker_enabled=True, between_steps=hook)
+    assert len(rounds) == MOUNTPOINT_ATTEMPTS
+
+
+# The command ---------------------------------------------------------------
+
+
+def _run_cli(*args: str, gate: str | None) -> subprocess.CompletedProcess[str]:
+    env = subprocess_env()
+    env.pop("LIBVGPU_HOSTPID_BROKER", None)
+    if gate is not None:
+        env["LIBVGPU_HOSTPID_BROKER"] = gate
+    return subprocess.run(
+        hostpid_argv(*args), env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def test_cli_prepares(tree: Path) -> None:
+    result = _run_cli("prepare-lock-parent", "--path", str(tree / "vgpulock"), gate="0")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"{tree / 'vgpulock'}: lock parent prepared\n"
+    assert_lock_parent(tree / "vgpulock")
+    assert not (tree / "vgpulock" / "hostpid").exists()
+
+
+def test_cli_repairs_the_mountpoint_when_enabled(planted_tree: Path) -> None:
+    mountpoint = planted_tree / "vgpulock" / "hostpid"
+    run_as(WORKLOAD_UID, lambda: mountpoint.write_text("planted\n"))
+    result = _run_cli(
+        "prepare-lock-parent", "--path", str(planted_tree / "vgpulock"), gate="1"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "found a regular file owned by UID 1000" in result.stderr
+    assert_mountpoint(mountpoint)
+
+
+def test_cli_refuses_an_unsafe_lock_parent(tree: Path) -> None:
+    (tree / "vgpulock").symlink_to("/etc")
+    result = _run_cli("prepare-lock-parent", "--path", str(tree / "vgpulock"), gate="1")
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert result.stderr.count("\n") == 1
+    assert str(tree / "vgpulock") in result.stderr
+    assert "symlink" in result.stderr

@@ -1,0 +1,282 @@
+"""
+The transaction state machine and the limiting factory, deterministic:
+a L{MemoryReactorClock} drives the deadline and a L{StringTransport} collects
+the reply.  The transport's handle is one end of a real socketpair, so the
+peer credentials come from the kernel (the peer is this process).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+
+import pytest
+from twisted.internet.testing import MemoryReactorClock, StringTransport
+from twisted.logger import Logger
+
+from hostpid import wire
+from hostpid.peercred import PeerCredentials
+from hostpid.server import BrokerFactory, BrokerProtocol, Outcome, answer
+
+DEADLINE = 0.5
+
+
+class SocketStringTransport(StringTransport):
+    """A StringTransport whose handle is a real socket, as the server expects."""
+
+    def __init__(self, handle: socket.socket) -> None:
+        super().__init__()
+        self.handle = handle
+
+    def getHandle(self) -> socket.socket:
+        return self.handle
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    yield left, right
+    left.close()
+    right.close()
+
+
+@pytest.fixture
+def clock() -> MemoryReactorClock:
+    return MemoryReactorClock()
+
+
+@pytest.fixture
+def factory(clock: MemoryReactorClock) -> BrokerFactory:
+    return BrokerFactory(clock, deadline=DEADLINE, maxConnections=4)
+
+
+def connect(
+    factory: BrokerFactory, handle: socket.socket
+) -> tuple[BrokerProtocol, SocketStringTransport]:
+    protocol = factory.buildProtocol(None)  # type: ignore[arg-type]
+    assert protocol is not None
+    transport = SocketStringTransport(handle)
+    protocol.makeConnection(transport)
+    return protocol, transport
+
+
+def end(protocol: BrokerProtocol) -> None:
+    """What the reactor does once the transport has closed."""
+    from twisted.internet.error import ConnectionDone
+    from twisted.python.failure import Failure
+
+    protocol.connectionLost(Failure(ConnectionDone()))
+
+
+def test_whole_request_gets_own_pid(factory, pair, clock) -> None:
+    protocol, transport = connect(factory, pair[0])
+    protocol.dataReceived(wire.GET_HOST_PID_REQUEST)
+    assert transport.value() == wire.encode_ok(os.getpid())
+    assert transport.disconnecting
+    end(protocol)
+    assert factory.counts[Outcome.OK] == 1
+    assert factory.active == 0
+    assert clock.getDelayedCalls() == []
+
+
+def test_one_byte_at_a_time(factory, pair, clock) -> None:
+    protocol, transport = connect(factory, pair[0])
+    for index in range(wire.REQUEST_SIZE - 1):
+        protocol.dataReceived(wire.GET_HOST_PID_REQUEST[index : index + 1])
+        assert transport.value() == b""
+        assert not transport.disconnecting
+    protocol.dataReceived(wire.GET_HOST_PID_REQUEST[-1:])
+    assert transport.value() == wire.encode_ok(os.getpid())
+    assert transport.disconnecting
+
+
+@pytest.mark.parametrize("split", range(1, wire.REQUEST_SIZE))
+def test_any_two_fragments(factory, pair, split: int) -> None:
+    protocol, transport = connect(factory, pair[0])
+    protocol.dataReceived(wire.GET_HOST_PID_REQUEST[:split])
+    protocol.dataReceived(wire.GET_HOST_PID_REQUEST[split:])
+    assert transport.value() == wire.encode_ok(os.getpid())
+
+
+def test_bytes_after_the_eighth_are_ignored(factory, pair) -> None:
+    protocol, transport = connect(factory, pair[0])
+    protocol.dataReceived(wire.GET_HOST_PID_REQUEST + b"HPID\x00\x01\x00\x02garbage")
+    protocol.dataReceived(b"more garbage")
+    assert transport.value() == wire.encode_ok(os.getpid())
+    assert factory.counts[Outcome.OK] == 1
+    assert factory.counts[Outcome.INVALID] == 0
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [b"HPIX\x00\x01\x00\x01", b"HPID\x00\x02\x00\x01", b"HPID\x00\x01\x00\x00",
+     b"HPID\x00\x01\x00\x02", b"\x00" * 8],
+)
+def test_invalid_request_gets_status_1_and_close(factory, pair, request_bytes) -> None:
+    protocol, transport = connect(factory, pair[0])
+    protocol.dataReceived(request_bytes)
+    assert transport.value() == wire.INVALID_REQUEST_RESPONSE
+    assert transport.disconnecting
+    assert factory.counts[Outcome.INVALID] == 1
+
+
+def test_deadline_just_before(factory, pair, clock) -> None:
+    protocol, transport = connect(factory, pair[0])
+    protocol.dataReceived(wire.GET_HOST_PID_REQUEST[:4])
+    clock.advance(DEADLINE - 0.001)
+    assert not transport.disconnected
+    protocol.dataReceived(wire.GET_HOST_PID_REQUEST[4:])
+    assert transport.value() == wire.encode_ok(os.getpid())
+    end(protocol)
+    assert clock.getDelayedCalls() == []
+    assert factory.counts[Outcome.DEADLINE] == 0
+
+
+def test_deadline_just_after(factory, pair, clock) -> None:
+    protocol, transport = connect(factory, pair[0])
+    protocol.dataReceived(wire.GET_HOST_PID_REQUEST[:4])
+    clock.advance(DEADLINE)
+    assert transport.disconnected, "the deadline aborts the connection"
+    assert transport.value() == b""
+    assert factory.counts[Outcome.DEADLINE] == 1
+    protocol.dataReceived(wire.GET_HOST_PID_REQUEST[4:])
+    assert transport.value() == b"", "nothing is answered after the deadline"
+    end(protocol)
+    assert clock.getDelayedCalls() == []
+    assert factory.active == 0
+    assert factory.counts[Outcome.SHORT] == 0, "one outcome per transaction"
+
+
+def test_deadline_counts_from_connection_not_from_data(factory, pair, clock) -> None:
+    protocol, transport = connect(factory, pair[0])
+    clock.advance(DEADLINE / 2)
+    protocol.dataReceived(b"H")
+    clock.advance(DEADLINE / 2)
+    assert transport.disconnected
+
+
+def test_no_delayed_call_left_when_client_goes_away(factory, pair, clock) -> None:
+    protocol, _ = connect(factory, pair[0])
+    assert len(clock.getDelayedCalls()) == 1
+    protocol.dataReceived(b"HP")
+    end(protocol)
+    assert clock.getDelayedCalls() == []
+    assert factory.counts[Outcome.SHORT] == 1
+    assert factory.active == 0
+
+
+def test_half_close_after_request_still_gets_reply(factory, pair) -> None:
+    protocol, transport = connect(factory, pair[0])
+    protocol.dataReceived(wire.GET_HOST_PID_REQUEST)
+    protocol.readConnectionLost()
+    assert transport.value() == wire.encode_ok(os.getpid())
+    assert factory.counts[Outcome.OK] == 1
+    assert factory.counts[Outcome.SHORT] == 0
+
+
+def test_half_close_before_request_is_short(factory, pair, clock) -> None:
+    protocol, transport = connect(factory, pair[0])
+    protocol.dataReceived(b"HPID")
+    protocol.readConnectionLost()
+    assert transport.disconnecting
+    assert transport.value() == b""
+    assert factory.counts[Outcome.SHORT] == 1
+    end(protocol)
+    assert factory.counts[Outcome.SHORT] == 1
+    assert clock.getDelayedCalls() == []
+
+
+def test_peer_credential_error_closes_without_reply(factory, pair) -> None:
+    handle = pair[0]
+    protocol, transport = connect(factory, handle)
+    handle.close()  # getsockopt now fails for real (EBADF)
+    protocol.dataReceived(wire.GET_HOST_PID_REQUEST)
+    assert transport.value() == b""
+    assert transport.disconnecting
+    assert factory.counts[Outcome.PEER_CREDENTIALS] == 1
+
+
+@pytest.mark.parametrize("pid", [0, -1])
+def test_pid_not_positive_is_never_sent(pid: int) -> None:
+    outcome, reply = answer(wire.GET_HOST_PID_REQUEST, lambda: PeerCredentials(pid, 0, 0))
+    assert (outcome, reply) == (Outcome.PEER_CREDENTIALS, None)
+
+
+def test_credentials_are_read_only_after_a_valid_request() -> None:
+    asked = []
+
+    def credentials() -> PeerCredentials:
+        asked.append(True)
+        return PeerCredentials(7, 0, 0)
+
+    assert answer(b"HPID\x00\x01\x00\x02", credentials)[0] is Outcome.INVALID
+    assert asked == []
+    assert answer(wire.GET_HOST_PID_REQUEST, credentials) == (Outcome.OK, wire.encode_ok(7))
+
+
+def test_over_limit_is_refused_at_once_and_slot_freed(factory, pair) -> None:
+    protocols = [connect(factory, pair[0])[0] for _ in range(4)]
+    assert factory.active == 4
+    assert factory.buildProtocol(None) is None  # type: ignore[arg-type]
+    assert factory.counts[Outcome.OVER_LIMIT] == 1
+    end(protocols[0])
+    assert factory.active == 3
+    assert factory.buildProtocol(None) is not None  # type: ignore[arg-type]
+
+
+def test_when_idle(factory, pair) -> None:
+    protocol, _ = connect(factory, pair[0])
+    called = []
+    factory.whenIdle(lambda: called.append(1))
+    assert called == []
+    end(protocol)
+    assert called == [1]
+    factory.whenIdle(lambda: called.append(2))
+    assert called == [1, 2]
+
+
+def test_failure_logs_are_rate_limited(clock) -> None:
+    events: list[dict] = []
+    factory = BrokerFactory(clock)
+    factory.log = Logger(observer=events.append)
+    for _ in range(1000):
+        factory.record(Outcome.DEADLINE)
+    for _ in range(100):
+        factory.record(Outcome.OK)
+    assert factory.counts[Outcome.DEADLINE] == 1000
+    # 1, 2, 4, ..., 512: ten lines for a thousand failures, none for successes.
+    assert [event["count"] for event in events] == [2**n for n in range(10)]
+
+
+class TestFastPath:
+    """L{BrokerFactory.answerWaiting}, on real sockets."""
+
+    def test_waiting_request_is_answered_without_a_slot(self, factory, pair) -> None:
+        server, client = pair
+        client.sendall(wire.GET_HOST_PID_REQUEST)
+        assert factory.answerWaiting(server) is None
+        assert client.recv(64) == wire.encode_ok(os.getpid())
+        assert client.recv(64) == b"", "closed after the reply"
+        assert factory.active == 0
+        assert factory.counts[Outcome.OK] == 1
+
+    def test_waiting_invalid_request(self, factory, pair) -> None:
+        server, client = pair
+        client.sendall(b"HPID\x00\x01\x00\x07")
+        assert factory.answerWaiting(server) is None
+        assert client.recv(64) == wire.INVALID_REQUEST_RESPONSE
+
+    def test_nothing_waiting_goes_to_general_path(self, factory, pair) -> None:
+        assert factory.answerWaiting(pair[0]) == b""
+
+    def test_partial_request_is_handed_on(self, factory, pair) -> None:
+        server, client = pair
+        client.sendall(b"HPI")
+        assert factory.answerWaiting(server) == b"HPI"
+
+    def test_client_already_gone(self, factory, pair) -> None:
+        server, client = pair
+        client.close()
+        assert factory.answerWaiting(server) is None
+        assert factory.counts[Outcome.SHORT] == 1
