@@ -88,24 +88,30 @@ def open_broker_directory(path: str, expected_uid: int) -> int:
     try:
         os.makedirs(parent, mode=0o755, exist_ok=True)
     except OSError as e:
-        raise BrokerStartupError(parent, f"cannot create the parent directory: {e.strerror}")
+        raise BrokerStartupError(
+            parent, f"cannot create the parent directory: {e.strerror}"
+        ) from None
     try:
         os.mkdir(path, defaults.DIRECTORY_MODE)
     except FileExistsError:
         pass
     except OSError as e:
-        raise BrokerStartupError(path, f"cannot create the broker directory: {e.strerror}")
+        raise BrokerStartupError(
+            path, f"cannot create the broker directory: {e.strerror}"
+        ) from None
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise BrokerStartupError(
                 path, "is a symlink; the broker directory must be a real directory"
-            )
+            ) from None
         if e.errno == errno.ENOTDIR:
             kind = _describe(os.lstat(path).st_mode)
-            raise BrokerStartupError(path, f"is {kind}; the broker directory must be a directory")
-        raise BrokerStartupError(path, f"cannot open the broker directory: {e.strerror}")
+            raise BrokerStartupError(
+                path, f"is {kind}; the broker directory must be a directory"
+            ) from None
+        raise BrokerStartupError(path, f"cannot open the broker directory: {e.strerror}") from None
     try:
         info = os.fstat(fd)
         if info.st_uid != expected_uid:
@@ -141,12 +147,12 @@ def take_lock(directory_fd: int, directory: str, expected_uid: int) -> int:
         if e.errno == errno.ELOOP:
             raise BrokerStartupError(
                 path, "is a symlink; the lock must be a regular file (left untouched)"
-            )
+            ) from None
         if e.errno == errno.EISDIR:
             raise BrokerStartupError(
                 path, "is a directory; the lock must be a regular file (left untouched)"
-            )
-        raise BrokerStartupError(path, f"cannot open the lock file: {e.strerror}")
+            ) from None
+        raise BrokerStartupError(path, f"cannot open the lock file: {e.strerror}") from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
@@ -168,7 +174,7 @@ def take_lock(directory_fd: int, directory: str, expected_uid: int) -> int:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise LockHeld(path, "is locked by another broker; this one will not start")
+            raise LockHeld(path, "is locked by another broker; this one will not start") from None
     except BaseException:
         os.close(fd)
         raise
@@ -188,9 +194,7 @@ class SocketIdentity:
 
     def matches(self, info: os.stat_result) -> bool:
         return (
-            stat.S_ISSOCK(info.st_mode)
-            and info.st_dev == self.device
-            and info.st_ino == self.inode
+            stat.S_ISSOCK(info.st_mode) and info.st_dev == self.device and info.st_ino == self.inode
         )
 
 
@@ -242,26 +246,27 @@ def clear_socket_path(directory_fd: int, directory: str, expected_uid: int) -> S
         return SocketPathState.ABSENT
     if not stat.S_ISSOCK(before.st_mode):
         raise BrokerStartupError(
-            path, f"is {_describe(before.st_mode)}, not a socket; refusing to replace it "
-            "(left untouched)"
+            path,
+            f"is {_describe(before.st_mode)}, not a socket; refusing to replace it "
+            "(left untouched)",
         )
     if before.st_uid != expected_uid:
         raise BrokerStartupError(
-            path, f"is a socket owned by UID {before.st_uid}, not UID {expected_uid}; "
-            "refusing to replace it (left untouched)"
+            path,
+            f"is a socket owned by UID {before.st_uid}, not UID {expected_uid}; "
+            "refusing to replace it (left untouched)",
         )
     result = _probe(path)
     if result in (0, errno.EAGAIN, errno.EWOULDBLOCK, errno.EINPROGRESS):
         raise BrokerStartupError(
-            path, "is an active socket (a listener answered); another broker is serving "
-            "(left untouched)"
+            path,
+            "is an active socket (a listener answered); another broker is serving (left untouched)",
         )
     if result == errno.ENOENT:
         return SocketPathState.ABSENT
     if result != errno.ECONNREFUSED:
         raise BrokerStartupError(
-            path, f"cannot tell whether the socket is stale ({os.strerror(result)}); "
-            "left untouched"
+            path, f"cannot tell whether the socket is stale ({os.strerror(result)}); left untouched"
         )
     # Stale.  Remove it only if the path still names the socket that was
     # judged: the directory belongs to the expected UID and the lock is held,

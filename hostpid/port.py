@@ -29,15 +29,20 @@ import os
 import socket
 import stat
 from collections.abc import Callable
+from typing import Any
 
 from twisted.internet import tcp, unix
-from twisted.internet.interfaces import IDelayedCall
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from hostpid import defaults
-from hostpid.fsrules import BrokerStartupError, SocketIdentity, identify_socket
-from hostpid.fsrules import remove_socket_if_ours
+from hostpid.fsrules import (
+    BrokerStartupError,
+    SocketIdentity,
+    identify_socket,
+    remove_socket_if_ours,
+)
 from hostpid.server import BrokerFactory
 
 #: Accept errors that mean "out of a resource for now": back off and retry.
@@ -67,7 +72,7 @@ class BrokerPort(unix.Port):
         path: str,
         directoryFd: int,
         factory: BrokerFactory,
-        reactor: object,
+        reactor: Any,
         onFatal: Callable[[Failure], None],
         backlog: int = socket.SOMAXCONN,
         expectedUid: int | None = None,
@@ -77,6 +82,7 @@ class BrokerPort(unix.Port):
         self.factory: BrokerFactory = factory
         self._directoryFd = directoryFd
         self._onFatal = onFatal
+        self._clock: IReactorTime = reactor
         self._expectedUid = os.geteuid() if expectedUid is None else expectedUid
         self.identity: SocketIdentity | None = None
         self._backoff = BACKOFF_INITIAL
@@ -95,7 +101,7 @@ class BrokerPort(unix.Port):
             skt.bind(self._bindPath)
         except OSError as e:
             skt.close()
-            raise BrokerStartupError(self.path, f"cannot bind the socket: {e.strerror}")
+            raise BrokerStartupError(self.path, f"cannot bind the socket: {e.strerror}") from None
         finally:
             os.umask(oldUmask)
         info = identify_socket(self._directoryFd)
@@ -164,7 +170,7 @@ class BrokerPort(unix.Port):
                 count=self.resourceErrors,
             )
         self.stopReading()
-        self._resume = self.reactor.callLater(self._backoff, self._resumeAccepting)
+        self._resume = self._clock.callLater(self._backoff, self._resumeAccepting)
         self._backoff = min(self._backoff * 2, BACKOFF_MAX)
 
     def _resumeAccepting(self) -> None:
@@ -191,6 +197,7 @@ class BrokerPort(unix.Port):
             except OSError as e:
                 self.log.error(
                     "hostpid-broker: could not remove {path}: {error}",
-                    path=self.path, error=e.strerror,
+                    path=self.path,
+                    error=e.strerror,
                 )
         tcp.Port.connectionLost(self, reason)

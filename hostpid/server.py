@@ -141,7 +141,7 @@ class BrokerProtocol(Protocol):
         self._finished = True
         self.factory.record(outcome)
 
-    def connectionLost(self, reason: Failure = Failure(ConnectionError())) -> None:
+    def connectionLost(self, reason: Failure | None = None) -> None:
         deadline, self._deadline = self._deadline, None
         if deadline is not None and deadline.active():  # type: ignore[attr-defined]
             deadline.cancel()  # type: ignore[attr-defined]
