@@ -4,16 +4,36 @@ Reading the kernel's word on who is at the other end of a Unix socket.
 C{SO_PEERCRED} reports the peer's PID, UID and GID as they were when it called
 C{connect()}, translated into the reader's PID namespace.  Twisted exposes no
 wrapper, so this module is the one place that knows the C{struct ucred} layout.
+
+Credentials are fixed at connect time.  If the process that connected has
+since handed the connection on and exited, its PID may already name another
+process.  C{SO_PEERPIDFD} (Linux 6.5+) gives a pidfd for the very process that
+connected, and C{PIDFD_GET_INFO} (Linux 6.13+, else C{/proc/self/fdinfo})
+tells whether it still lives and what its PID is now: L{PeerIdentifier}
+answers only when both agree.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import os
 import socket
 import struct
+from collections.abc import Callable
 
 import attrs
+from twisted.logger import Logger
 
 _UCRED = struct.Struct("3i")
+
+#: C{SO_PEERPIDFD} from C{asm-generic/socket.h}; Python 3.11 has no constant.
+SO_PEERPIDFD = 77
+#: C{_IOWR(PIDFS_IOCTL_MAGIC, 11, struct pidfd_info)} with the 64-byte version 0.
+PIDFD_GET_INFO = 0xC040FF0B
+PIDFD_INFO_PID = 1
+_PIDFD_INFO = struct.Struct("QQI")
+_PIDFD_INFO_SIZE = 64
 
 
 @attrs.frozen
@@ -36,3 +56,115 @@ def peer_credentials(sock: socket.socket) -> PeerCredentials:
     """
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
     return PeerCredentials(*_UCRED.unpack(raw))
+
+
+def peer_pidfd(sock: socket.socket) -> int:
+    """
+    A new pidfd for the process that connected C{sock}; the caller closes it.
+
+    @raise OSError: C{ENOPROTOOPT} on kernels before 6.5, or another error.
+    """
+    return int.from_bytes(
+        sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD, 4), "little", signed=True
+    )
+
+
+def _fdinfo_pid(pidfd: int) -> int | None:
+    with open(f"/proc/self/fdinfo/{pidfd}", "rb") as info:
+        for line in info:
+            if line.startswith(b"Pid:"):
+                pid = int(line.split()[1])
+                return pid if pid > 0 else None
+    return None
+
+
+def pidfd_current_pid(pidfd: int) -> int | None:
+    """
+    The PID, in this PID namespace, of the process C{pidfd} refers to, or
+    C{None} if that process is gone.  One C{ioctl} where the kernel has
+    C{PIDFD_GET_INFO}; C{/proc/self/fdinfo} otherwise.
+    """
+    buffer = bytearray(_PIDFD_INFO_SIZE)
+    struct.pack_into("Q", buffer, 0, PIDFD_INFO_PID)
+    try:
+        fcntl.ioctl(pidfd, PIDFD_GET_INFO, buffer)
+    except OSError as e:
+        if e.errno == errno.ESRCH:
+            return None
+        if e.errno in (errno.ENOTTY, errno.EINVAL, errno.EOPNOTSUPP):
+            return _fdinfo_pid(pidfd)
+        raise
+    mask, _cgroup, pid = _PIDFD_INFO.unpack_from(buffer)
+    if not mask & PIDFD_INFO_PID:
+        return _fdinfo_pid(pidfd)
+    return int(pid)
+
+
+class PeerUnverified(Exception):
+    """The peer's host PID cannot be vouched for; close with no reply."""
+
+
+class PeerCredentialsFailed(PeerUnverified):
+    """C{SO_PEERCRED} failed, or reported a PID that is not positive."""
+
+
+class PeerGone(PeerUnverified):
+    """The process that connected has exited (or its pidfd names another PID)."""
+
+
+class PeerIdentifier:
+    """
+    Finds the host PID of a connected peer, and vouches that the process that
+    connected is still the one that PID names.
+
+    Where the kernel lacks C{SO_PEERPIDFD}, it falls back to C{SO_PEERCRED}
+    alone and says so once in the log; L{pidfdSupported} tells the metrics.
+
+    @ivar pidfdSupported: C{None} until the first peer was checked, then
+        whether the pidfd check is in force.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        usePidfd: bool = True,
+        peerPidfd: Callable[[socket.socket], int] = peer_pidfd,
+    ) -> None:
+        self.pidfdSupported: bool | None = None if usePidfd else False
+        self._peerPidfd = peerPidfd
+
+    def host_pid(self, sock: socket.socket) -> int:
+        """
+        @raise PeerCredentialsFailed: no credentials, or PID not positive.
+        @raise PeerGone: the connecting process is no longer there.
+        """
+        try:
+            pid = peer_credentials(sock).pid
+        except OSError as e:
+            raise PeerCredentialsFailed(e.strerror) from None
+        if pid <= 0:
+            raise PeerCredentialsFailed(f"PID {pid} (peer outside this PID namespace)")
+        if self.pidfdSupported is False:
+            return pid
+        try:
+            pidfd = self._peerPidfd(sock)
+        except OSError as e:
+            if e.errno != errno.ENOPROTOOPT:
+                raise PeerCredentialsFailed(f"SO_PEERPIDFD: {e.strerror}") from None
+            self.pidfdSupported = False
+            self.log.warn(
+                "hostpid-broker: this kernel has no SO_PEERPIDFD; replies rest on "
+                "SO_PEERCRED alone (a caller that exits after connecting is not detected)"
+            )
+            return pid
+        self.pidfdSupported = True
+        try:
+            current = pidfd_current_pid(pidfd)
+        except OSError as e:
+            raise PeerCredentialsFailed(f"pidfd: {e.strerror}") from None
+        finally:
+            os.close(pidfd)
+        if current != pid:
+            raise PeerGone(f"connected as PID {pid}, now {current}")
+        return pid

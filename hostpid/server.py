@@ -32,7 +32,7 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from hostpid import defaults, wire
-from hostpid.peercred import PeerCredentials, peer_credentials
+from hostpid.peercred import PeerGone, PeerIdentifier, PeerUnverified
 
 
 class Outcome(enum.Enum):
@@ -44,6 +44,7 @@ class Outcome(enum.Enum):
     DEADLINE = "deadline"
     OVER_LIMIT = "over_limit"
     PEER_CREDENTIALS = "peer_credentials_failed"
+    PEER_GONE = "peer_gone"
 
 
 _FAST_READ = 256
@@ -53,15 +54,15 @@ FAILURES = frozenset(Outcome) - {Outcome.OK}
 
 
 def answer(
-    request: bytes, credentials: Callable[[], PeerCredentials]
+    request: bytes, sock: socket.socket, identifier: PeerIdentifier
 ) -> tuple[Outcome, bytes | None]:
     """
-    Decide the reply to C{request} (exactly 8 bytes).
+    Decide the reply to C{request} (exactly 8 bytes) arriving on C{sock}.
 
-    The peer's credentials are asked for only after the request is known to be
-    valid, and a PID that is not positive (the peer is not visible in this PID
-    namespace) is a failure: the broker never sends a PID the kernel did not
-    give it.
+    The peer is identified only after the request is known to be valid, and
+    anything short of a verified, positive PID closes with no reply: the
+    broker never sends a PID the kernel did not give it, nor one whose
+    process has gone.
 
     @return: the outcome, and the reply bytes or C{None} for "close with no
         reply".
@@ -69,10 +70,12 @@ def answer(
     if not wire.is_valid_request(request):
         return Outcome.INVALID, wire.INVALID_REQUEST_RESPONSE
     try:
-        pid = credentials().pid
-    except OSError:
+        pid = identifier.host_pid(sock)
+    except PeerGone:
+        return Outcome.PEER_GONE, None
+    except PeerUnverified:
         return Outcome.PEER_CREDENTIALS, None
-    if not 0 < pid <= wire.PID_MAX:
+    if pid > wire.PID_MAX:
         return Outcome.PEER_CREDENTIALS, None
     return Outcome.OK, wire.encode_ok(pid)
 
@@ -113,14 +116,13 @@ class BrokerProtocol(Protocol):
         self._finished = True
         request = self._buffer[: wire.REQUEST_SIZE]
         self._buffer = b""
-        outcome, reply = answer(request, self._peerCredentials)
+        outcome, reply = answer(
+            request, self.transport.getHandle(), self.factory.identifier  # type: ignore[union-attr]
+        )
         self.factory.record(outcome)
         if reply is not None:
             self.transport.write(reply)  # type: ignore[union-attr]
         self.transport.loseConnection()  # type: ignore[union-attr]
-
-    def _peerCredentials(self) -> PeerCredentials:
-        return peer_credentials(self.transport.getHandle())  # type: ignore[union-attr]
 
     def readConnectionLost(self) -> None:
         """The client shut down its writing side: only a short request is lost."""
@@ -168,8 +170,10 @@ class BrokerFactory(Factory):
         clock: IReactorTime,
         deadline: float = defaults.DEADLINE,
         maxConnections: int = defaults.MAX_CONNECTIONS,
+        identifier: PeerIdentifier | None = None,
     ) -> None:
         self.clock = clock
+        self.identifier = identifier if identifier is not None else PeerIdentifier()
         self.deadline = deadline
         self.maxConnections = maxConnections
         self.active = 0
@@ -233,7 +237,7 @@ class BrokerFactory(Factory):
             sock.close()
             self.record(Outcome.SHORT)
             return None
-        outcome, reply = answer(data[: wire.REQUEST_SIZE], lambda: peer_credentials(sock))
+        outcome, reply = answer(data[: wire.REQUEST_SIZE], sock, self.identifier)
         self.record(outcome)
         if reply is not None:
             try:

@@ -30,6 +30,7 @@ from twisted.python.failure import Failure
 
 from hostpid import defaults, fsrules
 from hostpid.gate import GATE_ENV, gate_enabled
+from hostpid.pidns import OVERRIDE_OPTION, PROC_PID_INIT_INO, check_host_pid_namespace
 from hostpid.port import BrokerPort
 from hostpid.server import BrokerFactory
 
@@ -102,6 +103,7 @@ class BrokerService(Service):
         environ: Mapping[str, str] | None = None,
         onFatal: Callable[[], None] | None = None,
         watchInterval: float = WATCH_INTERVAL,
+        allowNonHostPidNamespace: bool = False,
     ) -> None:
         if reactor is None:
             from twisted.internet import reactor as _reactor
@@ -115,6 +117,7 @@ class BrokerService(Service):
         self.enabled = gate_enabled(environ)
         self.onFatal = onFatal if onFatal is not None else lambda: exit_process(reactor)
         self.watchInterval = watchInterval
+        self.allowNonHostPidNamespace = allowNonHostPidNamespace
         self.factory: BrokerFactory | None = None
         self.port: BrokerPort | None = None
         self.failed = False
@@ -146,6 +149,15 @@ class BrokerService(Service):
             raise
 
     def _start(self) -> None:
+        namespace = check_host_pid_namespace(
+            self.allowNonHostPidNamespace, is_default_directory(self.directory)
+        )
+        if namespace != PROC_PID_INIT_INO:
+            self.log.warn(
+                "hostpid-broker: serving outside the host PID namespace (pid:[{namespace}]) "
+                "because {option} was given: the PIDs it reports are NOT host PIDs",
+                namespace=namespace, option=OVERRIDE_OPTION,
+            )
         expectedUid = expected_uid_for(self.directory)
         self._directoryFd = fsrules.open_broker_directory(self.directory, expectedUid)
         self.log.info(

@@ -36,6 +36,11 @@ class Options(usage.Options):
         "exactly \"1\"; otherwise the service runs and creates nothing.  Run it as "
         "`twistd --nodaemon --pidfile= hostpid-broker`."
     )
+    optFlags = [
+        ["allow-non-host-pid-namespace", None,
+         "Serve even outside the kernel's initial PID namespace.  UNSAFE: the PIDs "
+         "reported are then not host PIDs.  For tests; refused with the default directory."],
+    ]
     optParameters = [
         ["directory", None, defaults.BROKER_DIRECTORY,
          "Broker directory; the socket and lock live inside.  The default "
@@ -68,5 +73,6 @@ def makeService(options: Options | dict[str, Any]) -> IService:
         directory=options["directory"],
         maxConnections=options["max-connections"],
         deadline=options["deadline"],
+        allowNonHostPidNamespace=bool(options["allow-non-host-pid-namespace"]),
     ).setServiceParent(top)
     return top

@@ -16,7 +16,7 @@ from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.logger import Logger
 
 from hostpid import wire
-from hostpid.peercred import PeerCredentials
+from hostpid.peercred import PeerCredentialsFailed, PeerGone, PeerIdentifier
 from hostpid.server import BrokerFactory, BrokerProtocol, Outcome, answer
 
 DEADLINE = 0.5
@@ -197,22 +197,48 @@ def test_peer_credential_error_closes_without_reply(factory, pair) -> None:
     assert factory.counts[Outcome.PEER_CREDENTIALS] == 1
 
 
-@pytest.mark.parametrize("pid", [0, -1])
-def test_pid_not_positive_is_never_sent(pid: int) -> None:
-    outcome, reply = answer(wire.GET_HOST_PID_REQUEST, lambda: PeerCredentials(pid, 0, 0))
-    assert (outcome, reply) == (Outcome.PEER_CREDENTIALS, None)
+class RecordingIdentifier(PeerIdentifier):
+    """An identifier that reports what it was asked, then answers or fails as told."""
+
+    def __init__(self, result: int | Exception) -> None:
+        super().__init__()
+        self.result = result
+        self.asked = 0
+
+    def host_pid(self, sock: socket.socket) -> int:
+        self.asked += 1
+        if isinstance(self.result, Exception):
+            raise self.result
+        return self.result
 
 
-def test_credentials_are_read_only_after_a_valid_request() -> None:
-    asked = []
+@pytest.mark.parametrize(
+    "failure, outcome",
+    [
+        (PeerCredentialsFailed("PID 0"), Outcome.PEER_CREDENTIALS),
+        (PeerGone("connected as PID 7, now None"), Outcome.PEER_GONE),
+    ],
+)
+def test_unverified_peer_gets_no_reply(pair, failure, outcome) -> None:
+    identifier = RecordingIdentifier(failure)
+    assert answer(wire.GET_HOST_PID_REQUEST, pair[0], identifier) == (outcome, None)
 
-    def credentials() -> PeerCredentials:
-        asked.append(True)
-        return PeerCredentials(7, 0, 0)
 
-    assert answer(b"HPID\x00\x01\x00\x02", credentials)[0] is Outcome.INVALID
-    assert asked == []
-    assert answer(wire.GET_HOST_PID_REQUEST, credentials) == (Outcome.OK, wire.encode_ok(7))
+def test_pid_beyond_the_wire_range_is_never_sent(pair) -> None:
+    identifier = RecordingIdentifier(2**31)
+    assert answer(wire.GET_HOST_PID_REQUEST, pair[0], identifier) == (
+        Outcome.PEER_CREDENTIALS, None,
+    )
+
+
+def test_peer_is_identified_only_after_a_valid_request(pair) -> None:
+    identifier = RecordingIdentifier(7)
+    assert answer(b"HPID\x00\x01\x00\x02", pair[0], identifier)[0] is Outcome.INVALID
+    assert identifier.asked == 0
+    assert answer(wire.GET_HOST_PID_REQUEST, pair[0], identifier) == (
+        Outcome.OK, wire.encode_ok(7),
+    )
+    assert identifier.asked == 1
 
 
 def test_over_limit_is_refused_at_once_and_slot_freed(factory, pair) -> None:

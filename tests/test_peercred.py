@@ -1,0 +1,133 @@
+"""
+Peer identification on real sockets: SO_PEERCRED, SO_PEERPIDFD, and the
+fallback when the kernel has no SO_PEERPIDFD.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from twisted.logger import Logger
+
+from hostpid.peercred import (
+    PeerCredentialsFailed,
+    PeerGone,
+    PeerIdentifier,
+    peer_credentials,
+    peer_pidfd,
+    pidfd_current_pid,
+)
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    yield left, right
+    left.close()
+    right.close()
+
+
+def accepted_from_exited_child(path: Path) -> socket.socket:
+    """
+    A server-side connection whose client process connected, exited, and was
+    reaped before the server looked at it.
+    """
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(os.fspath(path))
+    listener.listen(1)
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the child
+        try:
+            client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            client.connect(os.fspath(path))
+        finally:
+            os._exit(0)
+    os.waitpid(child, 0)
+    connection, _ = listener.accept()
+    listener.close()
+    assert peer_credentials(connection).pid == child
+    return connection
+
+
+def fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_credentials_of_a_socketpair_are_ours(pair) -> None:
+    credentials = peer_credentials(pair[0])
+    assert (credentials.pid, credentials.uid, credentials.gid) == (
+        os.getpid(), os.getuid(), os.getgid(),
+    )
+
+
+def test_pidfd_names_the_peer(pair) -> None:
+    pidfd = peer_pidfd(pair[0])
+    try:
+        assert pidfd_current_pid(pidfd) == os.getpid()
+    finally:
+        os.close(pidfd)
+
+
+def test_identifier_vouches_for_a_live_peer_and_leaks_no_descriptor(pair) -> None:
+    identifier = PeerIdentifier()
+    before = fds()
+    for _ in range(100):
+        assert identifier.host_pid(pair[0]) == os.getpid()
+    assert fds() == before, "every pidfd is closed"
+    assert identifier.pidfdSupported is True
+
+
+def test_peer_that_exited_is_not_vouched_for(tmp_path: Path) -> None:
+    connection = accepted_from_exited_child(tmp_path / "s")
+    with connection:
+        with pytest.raises(PeerGone):
+            PeerIdentifier().host_pid(connection)
+
+
+def test_without_pidfd_the_exited_peer_would_be_answered(tmp_path: Path) -> None:
+    """The control: SO_PEERCRED alone still reports the dead client's PID."""
+    connection = accepted_from_exited_child(tmp_path / "s")
+    with connection:
+        assert PeerIdentifier(usePidfd=False).host_pid(connection) > 0
+
+
+def test_closed_socket_is_a_credentials_failure(pair) -> None:
+    pair[0].close()
+    with pytest.raises(PeerCredentialsFailed):
+        PeerIdentifier().host_pid(pair[0])
+
+
+def test_kernel_without_so_peerpidfd_falls_back_and_says_so_once(pair) -> None:
+    """
+    Simulates a kernel before 6.5: SO_PEERPIDFD fails with ENOPROTOOPT.  The
+    peer is still served from SO_PEERCRED, the fallback is logged once, and
+    the option is not asked for again.
+    """
+    calls = []
+
+    def no_pidfd(sock: socket.socket) -> int:
+        calls.append(sock)
+        raise OSError(errno.ENOPROTOOPT, os.strerror(errno.ENOPROTOOPT))
+
+    events: list[dict] = []
+    identifier = PeerIdentifier(peerPidfd=no_pidfd)
+    identifier.log = Logger(observer=events.append)
+    for _ in range(5):
+        assert identifier.host_pid(pair[0]) == os.getpid()
+    assert identifier.pidfdSupported is False
+    assert len(calls) == 1
+    assert len(events) == 1
+    assert "no SO_PEERPIDFD" in events[0]["log_format"]
+
+
+def test_other_pidfd_errors_refuse_the_peer(pair) -> None:
+    def broken(sock: socket.socket) -> int:
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+    with pytest.raises(PeerCredentialsFailed, match="SO_PEERPIDFD"):
+        PeerIdentifier(peerPidfd=broken).host_pid(pair[0])
