@@ -17,23 +17,100 @@ from hostpid import defaults
 
 
 def _query(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
-    """C{hostpid query}: print the caller's host PID (owned by the client work)."""
-    raise NotImplementedError
+    """
+    C{hostpid query}: print the caller's host PID.  C{--socket} points the
+    client elsewhere; every trust check stays on.
+    """
+    from hostpid import client
+
+    try:
+        policy = client.TrustPolicy(socket_path=args.socket, deadline=args.timeout)
+    except ValueError as error:
+        stderr.write(f"hostpid query: {error}\n")
+        return 2
+    try:
+        pid = client.query_host_pid(policy)
+    except client.HostPidUnavailable as problem:
+        stderr.write(f"hostpid query: {problem.check} check failed: {problem.observed}\n")
+        return 1
+    stdout.write(f"{pid}\n")
+    return 0
 
 
 def _doctor(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
-    """C{hostpid doctor}: one line per trust check (owned by the client work)."""
-    raise NotImplementedError
+    """
+    C{hostpid doctor}: one line per check, C{NAME ok|FAIL OBSERVED}, with the
+    production rules, so an operator sees at once why a workload falls back.
+    """
+    from hostpid import client
+
+    results = client.doctor(client.TrustPolicy(socket_path=args.socket))
+    for result in results:
+        stdout.write(f"{result.name} {'ok' if result.ok else 'FAIL'} {result.observed}\n")
+    return 0 if all(result.ok for result in results) else 1
 
 
 def _prepare_lock_parent(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
-    """C{hostpid prepare-lock-parent} (owned by the allocation work)."""
-    raise NotImplementedError
+    """
+    C{hostpid prepare-lock-parent}: make the lock parent root-owned 01777
+    (and, with the gate on in this environment, the broker mountpoint in it a
+    root-owned 0755 directory).  One line on stdout when prepared; one line on
+    stderr naming the path and the rule when not.
+    """
+    from hostpid.gate import gate_enabled
+    from hostpid.lockparent import LockParentError, prepare_lock_parent
+
+    try:
+        prepared = prepare_lock_parent(args.path, broker_enabled=gate_enabled())
+    except LockParentError as e:
+        print(f"hostpid: {e}", file=stderr)
+        return 1
+    for line in prepared.describe_repairs():
+        print(f"hostpid: {line}", file=stderr)
+    mountpoint = " and broker mountpoint" if prepared.broker_mountpoint else ""
+    print(f"{prepared.path}: lock parent{mountpoint} prepared", file=stdout)
+    return 0
 
 
 def _allocate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
-    """C{hostpid allocate} (owned by the allocation work)."""
-    raise NotImplementedError
+    """
+    C{hostpid allocate}: a C{ContainerAllocateResponse} as JSON on stdin,
+    the patched response on stdout.  The lock parent is prepared first; if
+    the input is invalid or the lock parent unsafe, nothing at all is written
+    to stdout, so a plugin that pipes stdout into its response can never
+    return a half-patched one.
+    """
+    from hostpid.allocation import (
+        AllocationResponseError,
+        patch_response,
+        response_from_json,
+        response_to_json,
+    )
+    from hostpid.gate import gate_enabled
+    from hostpid.lockparent import LockParentError, prepare_lock_parent
+
+    broker_enabled = gate_enabled()
+    try:
+        response = response_from_json(sys.stdin.buffer.read())
+    except AllocationResponseError as e:
+        print(f"hostpid: {e}", file=stderr)
+        return 1
+    try:
+        prepared = prepare_lock_parent(args.lock_parent, broker_enabled=broker_enabled)
+    except LockParentError as e:
+        print(f"hostpid: {e}", file=stderr)
+        return 1
+    for line in prepared.describe_repairs():
+        print(f"hostpid: {line}", file=stderr)
+    patched = patch_response(
+        response,
+        broker_enabled=broker_enabled,
+        lock_parent=prepared.path,
+        broker_directory=args.broker_dir,
+    )
+    stdout.write(response_to_json(patched) + "\n")
+    stdout.flush()
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

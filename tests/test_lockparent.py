@@ -17,9 +17,10 @@ import tempfile
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
-from twisted.logger import globalLogPublisher
+from twisted.logger import ILogObserver, globalLogPublisher
 
 from hostpid.lockparent import (
     MOUNTPOINT_ATTEMPTS,
@@ -52,7 +53,7 @@ def tree() -> Iterator[Path]:
         shutil.rmtree(path)
 
 
-def run_as(uid: int, action: Callable[[], None]) -> None:
+def run_as(uid: int, action: Callable[[], object]) -> None:
     """
     Run C{action} in a forked child that has dropped to C{uid} (and the same
     GID), and fail with the child's traceback if it fails.
@@ -242,6 +243,15 @@ def test_unclean_paths_refused(path: str) -> None:
         prepare_lock_parent(path, broker_enabled=False)
 
 
+def test_kernel_refusal_is_a_lock_parent_error() -> None:
+    """A refusal no rule names (here procfs refusing mkdir) is still one clear error."""
+    require_root()
+    with pytest.raises(LockParentError) as caught:
+        prepare_lock_parent("/proc/vgpulock", broker_enabled=False)
+    assert caught.value.path == "/proc/vgpulock"
+    assert caught.value.rule.startswith("cannot be prepared: ")
+
+
 def test_trusted_uid_is_a_parameter(tree: Path) -> None:
     """A private tree owned by another UID is prepared when that UID is trusted."""
     os.chown(tree, OTHER_UID, OTHER_UID)
@@ -385,11 +395,12 @@ def test_planted_mountpoint_repaired(planted_tree: Path, case: str) -> None:
     target = planted_tree / "target"
     target_before = identity(target)
     events: list[dict[str, object]] = []
-    globalLogPublisher.addObserver(events.append)
+    observer = cast(ILogObserver, events.append)
+    globalLogPublisher.addObserver(observer)
     try:
         prepared = prepare(planted_tree, broker_enabled=True)
     finally:
-        globalLogPublisher.removeObserver(events.append)
+        globalLogPublisher.removeObserver(observer)
 
     assert_mountpoint(mountpoint)
     assert os.listdir(mountpoint) == []

@@ -1,0 +1,377 @@
+"""
+Patching a kubelet C{ContainerAllocateResponse}: the lock parent mount, the
+broker mount and the broker's environment gate.
+
+Everything here is a pure function over values: no files, no logging.  The
+JSON adapter at the bottom lets any device plugin (Go, Python, anything that
+can run a command) use the same rules.
+
+The rules, in the order they apply (see C{docs/allocation.md} for why):
+
+ 1. The reserved key C{LIBVGPU_HOSTPID_BROKER} is cleared from the
+    environment before the current gate is applied, so a stale or forged value
+    never survives.
+ 2. Every mount whose container path is, once cleaned the way Go's
+    C{filepath.Clean("/" + p)} cleans it, the lock parent (C{/tmp/vgpulock})
+    or the broker directory (C{/tmp/vgpulock/hostpid}) or anything inside the
+    broker directory, is removed.  The broker directory is a reserved name:
+    a mount inside it would either fail (the broker mount is read-only) or,
+    worse, cover C{broker.sock} with another socket.
+ 3. Exactly one writable lock parent mount is added, and when the broker is
+    enabled exactly one read-only broker mount right after it, with the
+    environment key set to C{"1"}.
+ 4. The canonical mounts go right after the last remaining mount that is an
+    ancestor of theirs (C{/}, C{/tmp}), or first if there is none: a runtime
+    that applies mounts in order can then never cover them with a later
+    mount, and mounts inside the lock parent (other lock files' mounts, if a
+    plugin adds any) come after the parent instead of being hidden by it.
+    Every other mount keeps its place relative to the others.
+
+Patching is idempotent: patching a patched response changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import attrs
+
+from hostpid import defaults
+from hostpid.gate import ENABLED_VALUE, GATE_ENV
+
+
+class AllocationResponseError(ValueError):
+    """The allocation response is not valid JSON or does not have the right shape."""
+
+
+def clean_container_path(path: str) -> str:
+    """
+    C{path} made absolute and cleaned lexically, as Go's
+    C{filepath.Clean("/" + path)} does.
+
+    C{posixpath.normpath} is not enough: it keeps a leading C{//} (POSIX
+    allows it to mean something special), so C{//tmp/vgpulock} would escape
+    the comparison.  A runtime joins the container path to the root the same
+    way, so two paths that clean to the same string name the same mountpoint.
+    """
+    parts: list[str] = []
+    for part in path.split("/"):
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if parts:
+                parts.pop()
+            continue
+        parts.append(part)
+    return "/" + "/".join(parts)
+
+
+def is_ancestor(ancestor: str, path: str) -> bool:
+    """Whether cleaned C{ancestor} is a proper ancestor of cleaned C{path}."""
+    if ancestor == path:
+        return False
+    if ancestor == "/":
+        return True
+    return path.startswith(ancestor + "/")
+
+
+def is_within(path: str, directory: str) -> bool:
+    """Whether cleaned C{path} is C{directory} or below it."""
+    return path == directory or is_ancestor(directory, path)
+
+
+@attrs.frozen
+class Mount:
+    """
+    One entry of C{mounts}.
+
+    @ivar extra: fields this code does not know, passed through unchanged.
+    """
+
+    container_path: str
+    host_path: str
+    read_only: bool = False
+    extra: Mapping[str, Any] = attrs.field(factory=dict)
+
+    @property
+    def target(self) -> str:
+        """The cleaned container path: what the runtime mounts on."""
+        return clean_container_path(self.container_path)
+
+
+@attrs.frozen
+class AllocateResponse:
+    """
+    A kubelet C{ContainerAllocateResponse}.
+
+    C{devices} and C{annotations} are carried, not interpreted.
+
+    @ivar extra: top-level fields this code does not know (C{cdiDevices} and
+        anything newer), passed through unchanged.
+    """
+
+    envs: Mapping[str, str] = attrs.field(factory=dict)
+    mounts: tuple[Mount, ...] = ()
+    devices: tuple[Mapping[str, Any], ...] = ()
+    annotations: Mapping[str, str] = attrs.field(factory=dict)
+    extra: Mapping[str, Any] = attrs.field(factory=dict)
+
+
+def is_reserved_mount(mount: Mount) -> bool:
+    """
+    Whether C{mount} targets the lock parent, the broker directory or
+    anything inside the broker directory: the paths this module owns.
+    """
+    target = mount.target
+    return target == defaults.LOCK_PARENT or is_within(
+        target, defaults.CONTAINER_BROKER_DIRECTORY
+    )
+
+
+def canonical_mounts(
+    broker_enabled: bool,
+    lock_parent: str = defaults.LOCK_PARENT,
+    broker_directory: str = defaults.BROKER_DIRECTORY,
+) -> tuple[Mount, ...]:
+    """The mounts this module owns, in the order they must be applied."""
+    parent = Mount(container_path=defaults.LOCK_PARENT, host_path=lock_parent, read_only=False)
+    if not broker_enabled:
+        return (parent,)
+    broker = Mount(
+        container_path=defaults.CONTAINER_BROKER_DIRECTORY,
+        host_path=broker_directory,
+        read_only=True,
+    )
+    return (parent, broker)
+
+
+def patch_response(
+    response: AllocateResponse,
+    *,
+    broker_enabled: bool,
+    lock_parent: str = defaults.LOCK_PARENT,
+    broker_directory: str = defaults.BROKER_DIRECTORY,
+) -> AllocateResponse:
+    """
+    The response with the lock parent mount, the broker mount and the gate
+    set as the rules in this module's docstring say.
+
+    @param broker_enabled: the gate as the device plugin sees it in its own
+        environment (L{hostpid.gate.gate_enabled}).
+    @param lock_parent: the host directory mounted writable at
+        C{/tmp/vgpulock}; it must have been prepared
+        (L{hostpid.lockparent.prepare_lock_parent}) first.
+    @param broker_directory: the host directory mounted read-only at
+        C{/tmp/vgpulock/hostpid}.
+    """
+    envs = {key: value for key, value in response.envs.items() if key != GATE_ENV}
+    if broker_enabled:
+        envs[GATE_ENV] = ENABLED_VALUE
+    kept = [mount for mount in response.mounts if not is_reserved_mount(mount)]
+    ours = canonical_mounts(broker_enabled, lock_parent, broker_directory)
+    insert_at = 0
+    for index, mount in enumerate(kept):
+        if is_ancestor(mount.target, defaults.LOCK_PARENT):
+            insert_at = index + 1
+    mounts = (*kept[:insert_at], *ours, *kept[insert_at:])
+    return attrs.evolve(response, envs=envs, mounts=mounts)
+
+
+# JSON adapter -------------------------------------------------------------
+
+#: Top-level fields: lowerCamelCase JSON name and proto name.
+_TOP_LEVEL = {"envs": "envs", "mounts": "mounts", "devices": "devices",
+              "annotations": "annotations", "cdiDevices": "cdi_devices"}
+_MOUNT_FIELDS = {"containerPath": "container_path", "hostPath": "host_path",
+                 "readOnly": "read_only"}
+_DEVICE_FIELDS = {"containerPath": "container_path", "hostPath": "host_path",
+                  "permissions": "permissions"}
+
+
+def _take_fields(
+    obj: Mapping[str, Any], names: Mapping[str, str], where: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """
+    Split C{obj} into known fields (keyed by JSON name) and the rest.
+
+    Either spelling of a field is accepted, as protobuf's JSON parser does;
+    both at once is ambiguous and refused.  C{null} means "not set".
+    """
+    by_proto = {proto: json_name for json_name, proto in names.items()}
+    known: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    for key, value in obj.items():
+        json_name = key if key in names else by_proto.get(key)
+        if json_name is None:
+            extra[key] = value
+            continue
+        if json_name in known:
+            raise AllocationResponseError(
+                f"{where}: field {json_name!r} is given twice ({names[json_name]!r} and "
+                f"{json_name!r})"
+            )
+        if value is not None:
+            known[json_name] = value
+    return known, extra
+
+
+def _string(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise AllocationResponseError(f"{where} must be a string, not {_kind(value)}")
+    return value
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {bool: "a boolean", int: "a number", float: "a number", str: "a string",
+            list: "a list", dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def _string_map(value: Any, where: str) -> dict[str, str]:
+    if not isinstance(value, dict):
+        raise AllocationResponseError(f"{where} must be an object, not {_kind(value)}")
+    return {key: _string(item, f"{where}[{key!r}]") for key, item in value.items()}
+
+
+def _object_list(value: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(value, list):
+        raise AllocationResponseError(f"{where} must be a list, not {_kind(value)}")
+    for index, item in enumerate(value):
+        if not isinstance(item, dict):
+            raise AllocationResponseError(
+                f"{where}[{index}] must be an object, not {_kind(item)}"
+            )
+    return value
+
+
+def _mount_from_json(obj: dict[str, Any], where: str) -> Mount:
+    known, extra = _take_fields(obj, _MOUNT_FIELDS, where)
+    read_only = known.get("readOnly", False)
+    if not isinstance(read_only, bool):
+        raise AllocationResponseError(
+            f"{where}.readOnly must be true or false, not {_kind(read_only)}"
+        )
+    return Mount(
+        container_path=_string(known.get("containerPath", ""), f"{where}.containerPath"),
+        host_path=_string(known.get("hostPath", ""), f"{where}.hostPath"),
+        read_only=read_only,
+        extra=extra,
+    )
+
+
+def _device_from_json(obj: dict[str, Any], where: str) -> dict[str, Any]:
+    known, extra = _take_fields(obj, _DEVICE_FIELDS, where)
+    for name, value in known.items():
+        _string(value, f"{where}.{name}")
+    return {**known, **extra}
+
+
+def response_from_object(obj: Any) -> AllocateResponse:
+    """
+    An L{AllocateResponse} from decoded JSON, either field spelling.
+
+    @raise AllocationResponseError: wrong shapes, named by their place.
+    """
+    if not isinstance(obj, dict):
+        raise AllocationResponseError(
+            f"the allocation response must be a JSON object, not {_kind(obj)}"
+        )
+    known, extra = _take_fields(obj, _TOP_LEVEL, "the allocation response")
+    mounts = tuple(
+        _mount_from_json(item, f"mounts[{index}]")
+        for index, item in enumerate(_object_list(known.get("mounts", []), "mounts"))
+    )
+    devices = tuple(
+        _device_from_json(item, f"devices[{index}]")
+        for index, item in enumerate(_object_list(known.get("devices", []), "devices"))
+    )
+    if "cdiDevices" in known:
+        extra["cdiDevices"] = known["cdiDevices"]
+    return AllocateResponse(
+        envs=_string_map(known.get("envs", {}), "envs"),
+        mounts=mounts,
+        devices=devices,
+        annotations=_string_map(known.get("annotations", {}), "annotations"),
+        extra=extra,
+    )
+
+
+def response_to_object(response: AllocateResponse) -> dict[str, Any]:
+    """The response as JSON-ready data with lowerCamelCase field names."""
+    out: dict[str, Any] = {
+        "envs": dict(response.envs),
+        "mounts": [_mount_to_object(mount) for mount in response.mounts],
+        "devices": [dict(device) for device in response.devices],
+        "annotations": dict(response.annotations),
+    }
+    out.update(response.extra)
+    return out
+
+
+def _mount_to_object(mount: Mount) -> dict[str, Any]:
+    return {
+        "containerPath": mount.container_path,
+        "hostPath": mount.host_path,
+        "readOnly": mount.read_only,
+        **mount.extra,
+    }
+
+
+def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """
+    Build a JSON object, refusing a key given twice: parsers disagree on
+    which one wins, and a patch must not depend on which one the next reader
+    picks.
+    """
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise AllocationResponseError(
+                f"the allocation response is not valid: key {key!r} appears twice in one object"
+            )
+        obj[key] = value
+    return obj
+
+
+def response_from_json(text: str | bytes) -> AllocateResponse:
+    """
+    Parse a C{ContainerAllocateResponse} from JSON.
+
+    @raise AllocationResponseError: invalid JSON or a wrong shape.
+    """
+    try:
+        obj = json.loads(text, object_pairs_hook=_refuse_duplicate_keys)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise AllocationResponseError(f"the allocation response is not valid JSON: {e}") from e
+    return response_from_object(obj)
+
+
+def response_to_json(response: AllocateResponse) -> str:
+    """The response as JSON with lowerCamelCase names (what protojson emits)."""
+    return json.dumps(response_to_object(response), indent=2)
+
+
+def patch_json(
+    text: str | bytes,
+    *,
+    broker_enabled: bool,
+    lock_parent: str = defaults.LOCK_PARENT,
+    broker_directory: str = defaults.BROKER_DIRECTORY,
+) -> str:
+    """L{patch_response} from JSON to JSON."""
+    return response_to_json(
+        patch_response(
+            response_from_json(text),
+            broker_enabled=broker_enabled,
+            lock_parent=lock_parent,
+            broker_directory=broker_directory,
+        )
+    )
+
+
+def owned_mounts(mounts: Iterable[Mount]) -> list[Mount]:
+    """The mounts in C{mounts} that this module owns (see L{is_reserved_mount})."""
+    return [mount for mount in mounts if is_reserved_mount(mount)]

@@ -1,0 +1,413 @@
+"""
+End to end with a real OCI runtime (issues 4 and 9).
+
+A real broker (C{twistd hostpid-broker}) runs on the host.  C{hostpid
+allocate} prepares a private lock parent and patches an allocation response;
+the response's mounts, in order, become bind mounts of an OCI bundle whose
+root is read-only binds of the host's C{/usr} and C{/etc} (plus the Python
+that runs the tests and this working tree), and C{runc run} starts it in its
+own PID namespace.  Inside, C{python -m hostpid.cli query} runs with every
+default trust check, and the PID it prints must be the host PID runc reports
+for the container's init process (C{--pid-file}, the same value C{runc state}
+gives).
+
+The container's command is a shell that reports a few facts about the
+container (its own PID, the gate variable, how many mounts are at the broker
+mountpoint) and then C{exec}s the query, so the query runs as the container's
+init process: PID 1 inside, the runc-reported PID outside.
+
+Run with C{pytest -s} to see the container run times and host PIDs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+
+from hostpid.allocation import Mount, response_from_json
+from hostpid.gate import GATE_ENV
+from tests.support import (
+    REPO,
+    hostpid_argv,
+    require_root,
+    require_tool,
+    running_broker,
+    subprocess_env,
+)
+
+WORKLOAD_UID = 1000
+RUNC_TIMEOUT = 60.0
+
+
+
+def query_script(python: str) -> str:
+    """A shell that reports the container's view, then becomes the query (same PID)."""
+    return (
+        'echo "ns-pid $$"; '
+        'echo "gate ${' + GATE_ENV + '-unset}"; '
+        'echo "broker-mounts $(grep -c " /tmp/vgpulock/hostpid " /proc/self/mountinfo)"; '
+        f"exec {shlex.quote(python)} -m hostpid.cli query"
+    )
+
+
+@attrs.frozen
+class ContainerRun:
+    """What one C{runc run} did."""
+
+    name: str
+    exit_code: int
+    host_pid: int | None
+    stdout: str
+    stderr: str
+    seconds: float
+
+    def facts(self) -> dict[str, str]:
+        """The C{key value} lines the script printed before the query."""
+        found = {}
+        for line in self.stdout.splitlines():
+            key, _, value = line.partition(" ")
+            if key in ("ns-pid", "gate", "broker-mounts"):
+                found[key] = value
+        return found
+
+    def printed_pid(self) -> int | None:
+        """The PID the query printed: the one line that is only digits."""
+        numbers = [line for line in self.stdout.splitlines() if line.isdigit()]
+        assert len(numbers) <= 1, self.stdout
+        return int(numbers[0]) if numbers else None
+
+
+@attrs.frozen
+class PythonLayout:
+    """
+    How the container runs this Python with this working tree.
+
+    The base interpreter is bound at its own path (its prefix is compiled
+    in).  The working tree and any other import directory (a virtualenv's
+    site-packages, a user site) are bound under C{/e2e}, outside C{/tmp}:
+    CI clones the repository under C{/tmp}, and the container's own C{/tmp}
+    (and the allocation's mounts there) would hide them.
+    """
+
+    executable: str
+    binds: tuple[tuple[str, str], ...]
+    pythonpath: tuple[str, ...]
+
+    @classmethod
+    def of_this_process(cls) -> PythonLayout:
+        executable = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+        base = os.path.realpath(sys.base_prefix)
+        binds: list[tuple[str, str]] = []
+        if not _inside(base, "/usr"):
+            binds.append((base, base))
+        pythonpath = ["/e2e/src"]
+        binds.append((str(REPO), "/e2e/src"))
+        for entry in sys.path:
+            if not os.path.isabs(entry) or not os.path.isdir(entry):
+                continue
+            real = os.path.realpath(entry)
+            already = real == str(REPO) or any(host == real for host, _ in binds)
+            if already or _inside(real, "/usr") or _inside(real, base):
+                continue
+            target = f"/e2e/path{len(pythonpath)}"
+            binds.append((real, target))
+            pythonpath.append(target)
+        return cls(executable, tuple(binds), tuple(pythonpath))
+
+
+def _inside(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+class Runtime:
+    """Bundles and C{runc} runs under one private state directory."""
+
+    def __init__(self, runc: str, workdir: Path) -> None:
+        self.runc = runc
+        self.workdir = workdir
+        self.state = workdir / "runc-state"
+        self.state.mkdir(mode=0o700)
+        self.rootfs = workdir / "rootfs"
+        self.rootfs.mkdir()
+        os.chmod(self.rootfs, 0o755)
+        # This Debian (and CI's) has /bin, /lib, /lib64 and /sbin as
+        # symlinks into /usr; recreate whichever the host has.
+        for name in ("bin", "lib", "lib64", "sbin"):
+            host = Path("/") / name
+            if host.is_symlink():
+                (self.rootfs / name).symlink_to(os.readlink(host))
+        self.python = PythonLayout.of_this_process()
+        self.runs: list[ContainerRun] = []
+
+    def _config(self, mounts: Sequence[Mount], envs: dict[str, str], uid: int,
+                args: list[str]) -> dict[str, Any]:
+        def bind(source: str, destination: str, read_only: bool) -> dict[str, Any]:
+            options = ["bind", "nosuid", "nodev", "ro" if read_only else "rw"]
+            return {"destination": destination, "type": "bind", "source": source,
+                    "options": options}
+
+        base_mounts: list[dict[str, Any]] = [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+             "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+            bind("/usr", "/usr", True),
+            bind("/etc", "/etc", True),
+            *(bind(host, inside, True) for host, inside in self.python.binds),
+            {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
+             "options": ["nosuid", "nodev", "mode=1777", "size=16m"]},
+        ]
+        # The allocation response's mounts, in its order: the point of the test.
+        response_mounts = [bind(m.host_path, m.container_path, m.read_only) for m in mounts]
+        env = [
+            "PATH=/usr/local/bin:/usr/bin:/bin",
+            f"PYTHONPATH={':'.join(self.python.pythonpath)}",
+            "PYTHONDONTWRITEBYTECODE=1",
+            "HOME=/",
+            *(f"{key}={value}" for key, value in envs.items()),
+        ]
+        return {
+            "ociVersion": "1.0.2",
+            "process": {
+                "terminal": False,
+                "user": {"uid": uid, "gid": uid},
+                "args": args,
+                "env": env,
+                "cwd": "/",
+                "capabilities": {kind: ["CAP_KILL"] for kind in
+                                 ("bounding", "effective", "permitted")},
+                "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1024, "soft": 1024}],
+                "noNewPrivileges": True,
+            },
+            "root": {"path": str(self.rootfs), "readonly": True},
+            "hostname": "hostpid-e2e",
+            "mounts": [*base_mounts, *response_mounts],
+            "linux": {
+                "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
+                "maskedPaths": ["/proc/kcore", "/proc/keys", "/sys/firmware"],
+                "readonlyPaths": ["/proc/sys", "/proc/sysrq-trigger"],
+            },
+        }
+
+    def run(self, name: str, mounts: Sequence[Mount], envs: dict[str, str], uid: int,
+            args: list[str] | None = None) -> ContainerRun:
+        """Run one container to completion; record and print what happened."""
+        container_id = f"hostpid-e2e-{uuid.uuid4().hex[:12]}"
+        bundle = self.workdir / container_id
+        bundle.mkdir()
+        script = query_script(self.python.executable)
+        config = self._config(mounts, envs, uid, args or ["/bin/sh", "-c", script])
+        (bundle / "config.json").write_text(json.dumps(config, indent=2))
+        pid_file = bundle / "init.pid"
+        started = time.monotonic()
+        try:
+            result = subprocess.run(
+                [self.runc, "--root", str(self.state), "run", "--bundle", str(bundle),
+                 "--pid-file", str(pid_file), container_id],
+                stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                timeout=RUNC_TIMEOUT, check=False,
+            )
+        finally:
+            seconds = time.monotonic() - started
+            subprocess.run([self.runc, "--root", str(self.state), "delete", "--force",
+                            container_id], capture_output=True, timeout=RUNC_TIMEOUT,
+                           check=False)
+        host_pid = int(pid_file.read_text()) if pid_file.exists() else None
+        run = ContainerRun(name, result.returncode, host_pid, result.stdout, result.stderr,
+                           seconds)
+        self.runs.append(run)
+        print(f"\n[e2e] {name}: uid={uid} exit={run.exit_code} host_pid={host_pid} "
+              f"printed={run.printed_pid()} seconds={seconds:.3f} facts={run.facts()} "
+              f"stderr={run.stderr.strip()!r}")
+        return run
+
+
+@pytest.fixture
+def runtime() -> Iterator[Runtime]:
+    require_root()
+    runc = require_tool("runc")
+    workdir = Path(tempfile.mkdtemp(prefix="hostpid-e2e-"))
+    try:
+        yield Runtime(runc, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@attrs.frozen
+class Node:
+    """A stand-in node: the broker directory and the lock parent, both private."""
+
+    broker_dir: Path
+    lock_parent: Path
+
+
+@pytest.fixture
+def node() -> Iterator[Node]:
+    """
+    Root-owned 0755 directories in C{/tmp} standing in for C{/var/run/hami}
+    (the broker makes C{hostpid} inside, 0711) and C{/tmp} (the lock parent
+    C{vgpulock} is prepared inside).
+    """
+    require_root()
+    home = Path(tempfile.mkdtemp(prefix="hostpid-node-", dir="/tmp"))
+    os.chmod(home, 0o755)
+    (home / "run").mkdir(mode=0o755)
+    (home / "tmp").mkdir(mode=0o755)
+    try:
+        yield Node(broker_dir=home / "run" / "hostpid", lock_parent=home / "tmp" / "vgpulock")
+    finally:
+        shutil.rmtree(home)
+
+
+def allocate(node: Node, gate: str, request: dict[str, Any] | None = None
+             ) -> tuple[tuple[Mount, ...], dict[str, str], str]:
+    """Run C{hostpid allocate} as a device plugin would; the mounts, envs and stderr."""
+    env = subprocess_env()
+    env.pop(GATE_ENV, None)
+    env[GATE_ENV] = gate
+    result = subprocess.run(
+        hostpid_argv("allocate", "--lock-parent", str(node.lock_parent),
+                     "--broker-dir", str(node.broker_dir)),
+        input=json.dumps(request or {"envs": {"NVIDIA_VISIBLE_DEVICES": "0"}}),
+        env=env, capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    response = response_from_json(result.stdout)
+    return response.mounts, dict(response.envs), result.stderr
+
+
+def assert_host_pid_answered(run: ContainerRun) -> None:
+    assert run.exit_code == 0, run.stderr
+    assert run.facts()["ns-pid"] == "1", "the query must run in its own PID namespace"
+    assert run.facts()["gate"] == "1"
+    assert run.facts()["broker-mounts"] == "1"
+    assert run.host_pid is not None and run.host_pid > 1
+    assert run.printed_pid() == run.host_pid
+
+
+@pytest.mark.parametrize("uid", [0, WORKLOAD_UID])
+def test_query_returns_the_container_host_pid(runtime: Runtime, node: Node, uid: int) -> None:
+    with running_broker(node.broker_dir) as broker:
+        mounts, envs, _ = allocate(node, "1", {
+            "envs": {GATE_ENV: "0", "NVIDIA_VISIBLE_DEVICES": "0"},
+            # A stale broker mount from an older plugin: replaced, not kept.
+            "mounts": [{"container_path": "/tmp/vgpulock/hostpid/", "host_path": "/nowhere",
+                        "read_only": False}],
+        })
+        assert [m.container_path for m in mounts] == ["/tmp/vgpulock", "/tmp/vgpulock/hostpid"]
+        run = runtime.run(f"gate on, uid {uid}", mounts, envs, uid)
+        assert_host_pid_answered(run)
+        # Two containers, two different host PIDs, neither the broker's.
+        second = runtime.run(f"gate on, uid {uid}, again", mounts, envs, uid)
+        assert_host_pid_answered(second)
+        assert second.host_pid != run.host_pid
+        assert broker.pid not in (run.host_pid, second.host_pid)
+
+
+@pytest.mark.parametrize("uid", [0, WORKLOAD_UID])
+def test_gate_off_gives_neither_env_nor_broker_mount(
+    runtime: Runtime, node: Node, uid: int
+) -> None:
+    with running_broker(node.broker_dir):
+        mounts, envs, _ = allocate(node, "0", {
+            "envs": {GATE_ENV: "1"},
+            "mounts": [{"containerPath": "/tmp/vgpulock/hostpid",
+                        "hostPath": str(node.broker_dir), "readOnly": True}],
+        })
+        assert GATE_ENV not in envs
+        assert [m.container_path for m in mounts] == ["/tmp/vgpulock"]
+        run = runtime.run(f"gate off, uid {uid}", mounts, envs, uid)
+    assert run.facts() == {"ns-pid": "1", "gate": "unset", "broker-mounts": "0"}
+    assert run.exit_code == 1
+    assert run.printed_pid() is None
+    assert run.stderr.count("\n") == 1 and "gate check failed" in run.stderr
+
+
+def test_negative_control_reversed_mounts_hide_the_broker(runtime: Runtime, node: Node) -> None:
+    """
+    The same allocation with its two mounts reversed: the parent is mounted
+    over the broker mount and hides it.  The query must fail, which shows
+    this test can tell a working order from a broken one.
+    """
+    with running_broker(node.broker_dir):
+        mounts, envs, _ = allocate(node, "1")
+        good = runtime.run("control: patched order", mounts, envs, WORKLOAD_UID)
+        reversed_run = runtime.run("control: reversed order", tuple(reversed(mounts)), envs,
+                                   WORKLOAD_UID)
+    assert_host_pid_answered(good)
+    assert reversed_run.exit_code == 1
+    assert reversed_run.printed_pid() is None
+    assert reversed_run.stderr.strip().startswith("hostpid query:")
+
+
+def test_ancestor_mount_listed_last_is_moved_before_them(runtime: Runtime, node: Node,
+                                                         tmp_path: Path) -> None:
+    """A plugin's own C{/tmp} mount, listed after ours, would hide both."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir(mode=0o1777)
+    os.chmod(scratch, 0o1777)
+    request = {"mounts": [{"containerPath": "/tmp/vgpulock", "hostPath": "/old"},
+                          {"containerPath": "/tmp", "hostPath": str(scratch)}]}
+    with running_broker(node.broker_dir):
+        mounts, envs, _ = allocate(node, "1", request)
+        assert [m.container_path for m in mounts] == ["/tmp", "/tmp/vgpulock",
+                                                      "/tmp/vgpulock/hostpid"]
+        run = runtime.run("ancestor /tmp reordered", mounts, envs, WORKLOAD_UID)
+        hidden = runtime.run("ancestor /tmp last (unpatched order)",
+                             (*mounts[1:], mounts[0]), envs, WORKLOAD_UID)
+    assert_host_pid_answered(run)
+    assert hidden.exit_code == 1 and hidden.printed_pid() is None
+
+
+def test_planted_mountpoint_repaired_by_the_next_allocation(runtime: Runtime,
+                                                            node: Node) -> None:
+    """
+    Issue 9: a UID 1000 workload plants a regular file at the broker
+    mountpoint through its writable C{/tmp/vgpulock}.  Without repair the
+    next broker-enabled container cannot even start; the next allocation
+    repairs it and the next container gets its host PID.
+    """
+    with running_broker(node.broker_dir):
+        # The broker was off when this workload was allocated: the lock
+        # parent exists, the mountpoint does not yet.
+        off_mounts, off_envs, _ = allocate(node, "0")
+        assert not (node.lock_parent / "hostpid").exists()
+        plant = runtime.run(
+            "issue 9: uid 1000 plants a file", off_mounts, off_envs, WORKLOAD_UID,
+            ["/bin/sh", "-c", ": > /tmp/vgpulock/hostpid && echo planted"],
+        )
+        assert plant.exit_code == 0, plant.stderr
+        planted = os.lstat(node.lock_parent / "hostpid")
+        assert planted.st_uid == WORKLOAD_UID
+        assert (planted.st_mode & 0o170000) == 0o100000
+
+        # Control: the broker-enabled mounts without the repair.
+        from hostpid.allocation import canonical_mounts
+
+        unrepaired = runtime.run(
+            "issue 9: planted file, no repair",
+            canonical_mounts(True, str(node.lock_parent), str(node.broker_dir)),
+            {GATE_ENV: "1"}, WORKLOAD_UID,
+        )
+        assert unrepaired.exit_code != 0
+        assert unrepaired.printed_pid() is None
+        assert "not a directory" in unrepaired.stderr
+
+        mounts, envs, stderr = allocate(node, "1")
+        assert "found a regular file owned by UID 1000" in stderr
+        repaired = os.lstat(node.lock_parent / "hostpid")
+        assert (repaired.st_uid, repaired.st_mode) == (0, 0o040755)
+        run = runtime.run("issue 9: after repair", mounts, envs, WORKLOAD_UID)
+    assert_host_pid_answered(run)

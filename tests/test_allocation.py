@@ -1,0 +1,537 @@
+"""
+Allocation response patching (issue 4 item 2): table-driven cases for each
+rule, property tests over random mount lists, the JSON adapter, and the
+C{hostpid allocate} command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hostpid.allocation import (
+    AllocateResponse,
+    AllocationResponseError,
+    Mount,
+    clean_container_path,
+    is_ancestor,
+    patch_json,
+    patch_response,
+    response_from_json,
+    response_from_object,
+    response_to_json,
+    response_to_object,
+)
+from hostpid.gate import GATE_ENV
+from tests.support import hostpid_argv, require_root, subprocess_env
+
+PARENT = Mount("/tmp/vgpulock", "/tmp/vgpulock", False)
+BROKER = Mount("/tmp/vgpulock/hostpid", "/var/run/hami/hostpid", True)
+
+
+def mounts(*pairs: tuple[str, str] | Mount) -> tuple[Mount, ...]:
+    return tuple(p if isinstance(p, Mount) else Mount(p[0], p[1]) for p in pairs)
+
+
+def patched(
+    *given_mounts: tuple[str, str] | Mount, enabled: bool, envs: dict[str, str] | None = None
+) -> AllocateResponse:
+    response = AllocateResponse(envs=envs or {}, mounts=mounts(*given_mounts))
+    result = patch_response(response, broker_enabled=enabled)
+    assert patch_response(result, broker_enabled=enabled) == result, "not idempotent"
+    return result
+
+
+# Cleaning paths -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("given_path", "cleaned"),
+    [
+        ("/tmp/vgpulock", "/tmp/vgpulock"),
+        ("/tmp/vgpulock/", "/tmp/vgpulock"),
+        ("/tmp//vgpulock", "/tmp/vgpulock"),
+        ("/tmp/./vgpulock", "/tmp/vgpulock"),
+        ("//tmp/vgpulock", "/tmp/vgpulock"),
+        ("///tmp/vgpulock", "/tmp/vgpulock"),
+        ("tmp/vgpulock", "/tmp/vgpulock"),
+        ("/tmp/x/../vgpulock", "/tmp/vgpulock"),
+        ("/../../tmp/vgpulock", "/tmp/vgpulock"),
+        ("", "/"),
+        (".", "/"),
+        ("//", "/"),
+        ("/tmp/vgpulock/hostpid/.", "/tmp/vgpulock/hostpid"),
+    ],
+)
+def test_clean_container_path_matches_go(given_path: str, cleaned: str) -> None:
+    assert clean_container_path(given_path) == cleaned
+
+
+@pytest.mark.parametrize(
+    ("ancestor", "path", "expected"),
+    [
+        ("/", "/tmp/vgpulock", True),
+        ("/tmp", "/tmp/vgpulock", True),
+        ("/tmp/vgpulock", "/tmp/vgpulock", False),
+        ("/tmp/vgpu", "/tmp/vgpulock", False),
+        ("/tmp/vgpulock", "/tmp/vgpulock/hostpid", True),
+        ("/", "/", False),
+    ],
+)
+def test_is_ancestor(ancestor: str, path: str, expected: bool) -> None:
+    assert is_ancestor(ancestor, path) is expected
+
+
+# The rules, case by case ----------------------------------------------------
+
+
+def test_empty_response_gate_off() -> None:
+    result = patched(enabled=False)
+    assert result.mounts == (PARENT,)
+    assert result.envs == {}
+
+
+def test_empty_response_gate_on() -> None:
+    result = patched(enabled=True)
+    assert result.mounts == (PARENT, BROKER)
+    assert result.envs == {GATE_ENV: "1"}
+
+
+@pytest.mark.parametrize("stale", ["1", "0", "", "true", " 1"])
+def test_reserved_env_cleared_when_gate_off(stale: str) -> None:
+    result = patched(enabled=False, envs={"A": "a", GATE_ENV: stale, "B": "b"})
+    assert result.envs == {"A": "a", "B": "b"}
+    assert list(result.envs) == ["A", "B"]
+
+
+@pytest.mark.parametrize("stale", ["1", "0", "", "true", "1 "])
+def test_reserved_env_set_to_exactly_1_when_gate_on(stale: str) -> None:
+    result = patched(enabled=True, envs={"A": "a", GATE_ENV: stale})
+    assert result.envs == {"A": "a", GATE_ENV: "1"}
+
+
+PARENT_FORMS = [
+    "/tmp/vgpulock",
+    "/tmp/vgpulock/",
+    "/tmp//vgpulock",
+    "/tmp/./vgpulock",
+    "//tmp/vgpulock",
+    "tmp/vgpulock",
+]
+BROKER_FORMS = [
+    "/tmp/vgpulock/hostpid",
+    "/tmp/vgpulock/hostpid/",
+    "//tmp/vgpulock/hostpid",
+    "tmp/vgpulock/./hostpid",
+    "/tmp/vgpulock/x/../hostpid",
+]
+
+
+@pytest.mark.parametrize("form", PARENT_FORMS)
+@pytest.mark.parametrize("enabled", [False, True])
+def test_path_equivalent_parent_replaced(form: str, enabled: bool) -> None:
+    result = patched(("/a", "/ha"), Mount(form, "/evil", True), ("/b", "/hb"), enabled=enabled)
+    expected = (PARENT, BROKER) if enabled else (PARENT,)
+    assert result.mounts == (*expected, *mounts(("/a", "/ha"), ("/b", "/hb")))
+
+
+@pytest.mark.parametrize("form", BROKER_FORMS)
+@pytest.mark.parametrize("read_only", [False, True])
+def test_broker_mount_replaced_when_gate_on(form: str, read_only: bool) -> None:
+    result = patched(Mount(form, "/elsewhere", read_only), ("/b", "/hb"), enabled=True)
+    assert result.mounts == (PARENT, BROKER, *mounts(("/b", "/hb")))
+
+
+@pytest.mark.parametrize("form", BROKER_FORMS)
+def test_every_broker_mount_removed_when_gate_off(form: str) -> None:
+    result = patched(
+        Mount(form, "/var/run/hami/hostpid", True), BROKER, ("/b", "/hb"), enabled=False
+    )
+    assert result.mounts == (PARENT, *mounts(("/b", "/hb")))
+
+
+def test_duplicates_collapse_to_one_each() -> None:
+    result = patched(PARENT, BROKER, PARENT, BROKER, Mount("/tmp/vgpulock/", "/x"),
+                     enabled=True)
+    assert result.mounts == (PARENT, BROKER)
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_mounts_inside_the_broker_directory_removed(enabled: bool) -> None:
+    """Nothing may cover broker.sock: the broker directory is a reserved name."""
+    result = patched(
+        ("/tmp/vgpulock/hostpid/broker.sock", "/attacker.sock"),
+        ("/tmp/vgpulock/hostpid/sub/dir", "/x"),
+        ("/keep", "/keep"),
+        enabled=enabled,
+    )
+    expected = (PARENT, BROKER) if enabled else (PARENT,)
+    assert result.mounts == (*expected, *mounts(("/keep", "/keep")))
+
+
+def test_unrelated_lookalikes_kept_in_place() -> None:
+    lookalikes = mounts(
+        ("/tmp/vgpulockx", "/1"),
+        ("/tmp/vgpulock-hostpid", "/2"),
+        ("/tmp/vgpu", "/3"),
+        ("/tmp/vgpulock/hostpidx", "/4"),
+        ("/var/run/hami/hostpid", "/5"),
+    )
+    result = patched(*lookalikes, enabled=True)
+    assert result.mounts == (PARENT, BROKER, *lookalikes)
+
+
+def test_unrelated_mounts_keep_their_order() -> None:
+    unrelated = mounts(("/z", "/1"), ("/a", "/2"), ("/m", "/3"), ("/z", "/4"))
+    result = patched(unrelated[0], PARENT, unrelated[1], BROKER, unrelated[2], unrelated[3],
+                     enabled=True)
+    assert [m for m in result.mounts if m not in (PARENT, BROKER)] == list(unrelated)
+
+
+def test_mount_inside_the_parent_comes_after_it() -> None:
+    """A lock file mounted into the parent must not be hidden by the parent."""
+    result = patched(("/tmp/vgpulock/extra.lock", "/h"), PARENT, enabled=True)
+    assert result.mounts == (PARENT, BROKER, *mounts(("/tmp/vgpulock/extra.lock", "/h")))
+
+
+@pytest.mark.parametrize("ancestor", ["/tmp", "/tmp/", "//tmp", "/", "", "tmp"])
+def test_ancestor_listed_after_moves_them_after_it(ancestor: str) -> None:
+    result = patched(PARENT, BROKER, ("/a", "/1"), (ancestor, "/big"), ("/b", "/2"),
+                     enabled=True)
+    assert result.mounts == (*mounts(("/a", "/1"), (ancestor, "/big")), PARENT, BROKER,
+                             *mounts(("/b", "/2")))
+
+
+def test_several_ancestors_all_come_first() -> None:
+    result = patched(("/tmp", "/1"), ("/x", "/2"), ("/", "/3"), ("/y", "/4"), enabled=False)
+    assert result.mounts == (*mounts(("/tmp", "/1"), ("/x", "/2"), ("/", "/3")), PARENT,
+                             *mounts(("/y", "/4")))
+
+
+def test_host_paths_are_parameters() -> None:
+    response = AllocateResponse(mounts=(PARENT, BROKER))
+    result = patch_response(
+        response, broker_enabled=True, lock_parent="/srv/lp", broker_directory="/srv/broker"
+    )
+    assert result.mounts == (
+        Mount("/tmp/vgpulock", "/srv/lp", False),
+        Mount("/tmp/vgpulock/hostpid", "/srv/broker", True),
+    )
+
+
+def test_unrelated_mount_fields_survive() -> None:
+    odd = Mount("/data", "/srv/data", True, extra={"propagation": "rshared"})
+    result = patched(odd, Mount("/tmp/vgpulock", "/x", extra={"propagation": "x"}),
+                     enabled=False)
+    assert result.mounts == (PARENT, odd)
+
+
+def test_devices_and_annotations_untouched() -> None:
+    response = AllocateResponse(
+        devices=({"containerPath": "/dev/nvidia0", "hostPath": "/dev/nvidia0",
+                  "permissions": "rw"},),
+        annotations={"a": "b"},
+        extra={"cdiDevices": [{"name": "nvidia.com/gpu=0"}]},
+    )
+    result = patch_response(response, broker_enabled=True)
+    assert attrs.evolve(result, mounts=(), envs={}) == response
+
+
+# Properties over random mount lists ----------------------------------------
+
+_components = st.sampled_from(["tmp", "vgpulock", "hostpid", "broker.sock", ".", "..", "", "x"])
+container_paths = st.builds(
+    lambda lead, parts: lead + "/".join(parts),
+    st.sampled_from(["", "/", "//"]),
+    st.lists(_components, max_size=5),
+)
+random_mounts = st.builds(
+    Mount,
+    container_path=container_paths,
+    host_path=st.sampled_from(["/h1", "/h2", "/tmp/vgpulock", "/var/run/hami/hostpid"]),
+    read_only=st.booleans(),
+)
+random_envs = st.dictionaries(
+    st.sampled_from([GATE_ENV, "A", "B", "CUDA_VISIBLE_DEVICES"]),
+    st.sampled_from(["", "0", "1", "true"]),
+)
+
+
+def _is_ours(mount: Mount) -> bool:
+    target = mount.target
+    return target == "/tmp/vgpulock" or target == "/tmp/vgpulock/hostpid" or \
+        target.startswith("/tmp/vgpulock/hostpid/")
+
+
+@given(st.lists(random_mounts, max_size=12), random_envs, st.booleans())
+def test_properties(given_mounts: list[Mount], envs: dict[str, str], enabled: bool) -> None:
+    response = AllocateResponse(envs=envs, mounts=tuple(given_mounts))
+    result = patch_response(response, broker_enabled=enabled)
+    out = list(result.mounts)
+
+    parents = [i for i, m in enumerate(out) if m.target == "/tmp/vgpulock"]
+    brokers = [i for i, m in enumerate(out) if m.target.startswith("/tmp/vgpulock/hostpid")
+               and (m.target == "/tmp/vgpulock/hostpid" or
+                    m.target.startswith("/tmp/vgpulock/hostpid/"))]
+    assert len(parents) == 1
+    assert out[parents[0]] == PARENT
+    if enabled:
+        assert brokers == [parents[0] + 1]
+        assert out[brokers[0]] == BROKER
+        assert result.envs[GATE_ENV] == "1"
+    else:
+        assert brokers == []
+        assert GATE_ENV not in result.envs
+    assert {k: v for k, v in result.envs.items() if k != GATE_ENV} == {
+        k: v for k, v in envs.items() if k != GATE_ENV
+    }
+
+    # Unrelated mounts: all kept, in their original relative order.
+    assert [m for m in out if not _is_ours(m)] == [m for m in given_mounts if not _is_ours(m)]
+    # Nothing after the canonical mounts can cover them.
+    ours_at = parents[0]
+    for later in out[ours_at + 1:]:
+        if later in (PARENT, BROKER):
+            continue
+        assert not is_ancestor(later.target, "/tmp/vgpulock")
+        assert later.target != "/tmp/vgpulock"
+        assert not (later.target == "/tmp/vgpulock/hostpid"
+                    or later.target.startswith("/tmp/vgpulock/hostpid/"))
+
+    # Idempotent, and stable through JSON.
+    assert patch_response(result, broker_enabled=enabled) == result
+    assert response_from_json(response_to_json(result)) == result
+
+
+# The JSON adapter -----------------------------------------------------------
+
+
+def test_json_accepts_proto_names_and_emits_lower_camel_case() -> None:
+    text = json.dumps({
+        "envs": {"A": "1"},
+        "mounts": [{"container_path": "/data", "host_path": "/srv", "read_only": True}],
+        "devices": [{"container_path": "/dev/nvidia0", "host_path": "/dev/nvidia0",
+                     "permissions": "rw"}],
+        "annotations": {"k": "v"},
+        "cdi_devices": [{"name": "nvidia.com/gpu=0"}],
+    })
+    out = json.loads(patch_json(text, broker_enabled=True))
+    assert out == {
+        "envs": {"A": "1", GATE_ENV: "1"},
+        "mounts": [
+            {"containerPath": "/tmp/vgpulock", "hostPath": "/tmp/vgpulock", "readOnly": False},
+            {"containerPath": "/tmp/vgpulock/hostpid", "hostPath": "/var/run/hami/hostpid",
+             "readOnly": True},
+            {"containerPath": "/data", "hostPath": "/srv", "readOnly": True},
+        ],
+        "devices": [{"containerPath": "/dev/nvidia0", "hostPath": "/dev/nvidia0",
+                     "permissions": "rw"}],
+        "annotations": {"k": "v"},
+        "cdiDevices": [{"name": "nvidia.com/gpu=0"}],
+    }
+
+
+def test_json_accepts_lower_camel_case_and_mixed() -> None:
+    proto = response_from_object(
+        {"mounts": [{"container_path": "/a", "host_path": "/b", "read_only": True}]}
+    )
+    camel = response_from_object(
+        {"mounts": [{"containerPath": "/a", "hostPath": "/b", "readOnly": True}]}
+    )
+    mixed = response_from_object(
+        {"mounts": [{"containerPath": "/a", "host_path": "/b", "readOnly": True}]}
+    )
+    assert proto == camel == mixed == AllocateResponse(mounts=(Mount("/a", "/b", True),))
+
+
+def test_json_unknown_fields_pass_through() -> None:
+    text = json.dumps({
+        "mounts": [{"containerPath": "/a", "hostPath": "/b", "selinuxRelabel": True}],
+        "futureField": {"nested": [1, 2]},
+    })
+    out = json.loads(patch_json(text, broker_enabled=False))
+    assert out["futureField"] == {"nested": [1, 2]}
+    assert out["mounts"][1] == {"containerPath": "/a", "hostPath": "/b", "readOnly": False,
+                                "selinuxRelabel": True}
+
+
+def test_json_null_means_unset() -> None:
+    response = response_from_object(
+        {"envs": None, "mounts": [{"containerPath": "/a", "hostPath": None, "readOnly": None}]}
+    )
+    assert response == AllocateResponse(mounts=(Mount("/a", "", False),))
+
+
+def test_json_output_is_stable() -> None:
+    once = patch_json('{"mounts": [{"container_path": "tmp/vgpulock"}]}', broker_enabled=True)
+    assert patch_json(once, broker_enabled=True) == once
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "not valid JSON"),
+        ("{", "not valid JSON"),
+        ("{'envs': {}}", "not valid JSON"),
+        (b"\xff\xfe\x00", "not valid JSON"),
+        ("[]", "must be a JSON object, not a list"),
+        ("null", "must be a JSON object, not null"),
+        ('{"mounts": {}}', "mounts must be a list"),
+        ('{"mounts": ["/tmp"]}', "mounts[0] must be an object"),
+        ('{"mounts": [{"readOnly": "yes"}]}', "mounts[0].readOnly must be true or false"),
+        ('{"mounts": [{"containerPath": 7}]}', "mounts[0].containerPath must be a string"),
+        ('{"mounts": [{"containerPath": "/a", "container_path": "/b"}]}', "given twice"),
+        ('{"envs": []}', "envs must be an object"),
+        ('{"envs": {"A": 1}}', "envs['A'] must be a string"),
+        ('{"annotations": {"A": null}}', "annotations['A'] must be a string"),
+        ('{"devices": [{"permissions": 1}]}', "devices[0].permissions must be a string"),
+        ('{"envs": {"A": "1", "A": "2"}}', "appears twice"),
+        ('{"envs": {}, "envs": {}}', "appears twice"),
+    ],
+)
+def test_invalid_json_is_a_clear_error(text: str | bytes, message: str) -> None:
+    with pytest.raises(AllocationResponseError) as caught:
+        response_from_json(text)
+    assert message in str(caught.value)
+
+
+def test_response_to_object_round_trip() -> None:
+    response = AllocateResponse(
+        envs={"A": "b"}, mounts=(Mount("/x", "/y", True, extra={"z": 1}),),
+        devices=({"containerPath": "/dev/a"},), annotations={"k": "v"}, extra={"q": [1]},
+    )
+    assert response_from_object(response_to_object(response)) == response
+
+
+# The command ---------------------------------------------------------------
+
+
+@pytest.fixture
+def lock_tree() -> Iterator[Path]:
+    """A root-owned 0755 directory in C{/tmp} standing in for C{/tmp}."""
+    require_root()
+    path = Path(tempfile.mkdtemp(prefix="hostpid-allocate-", dir="/tmp"))
+    os.chmod(path, 0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path)
+
+
+def allocate(
+    stdin: bytes, *args: str, gate: str | None
+) -> subprocess.CompletedProcess[bytes]:
+    env = subprocess_env()
+    env.pop(GATE_ENV, None)
+    if gate is not None:
+        env[GATE_ENV] = gate
+    return subprocess.run(
+        hostpid_argv("allocate", *args), input=stdin, env=env, capture_output=True,
+        timeout=60, check=False,
+    )
+
+
+def _lock_parent_ok(path: Path) -> bool:
+    st_ = os.lstat(path)
+    return stat.S_ISDIR(st_.st_mode) and st_.st_uid == 0 and stat.S_IMODE(st_.st_mode) == 0o1777
+
+
+REQUEST = json.dumps({
+    "envs": {"NVIDIA_VISIBLE_DEVICES": "GPU-1", GATE_ENV: "1"},
+    "mounts": [{"container_path": "/tmp/vgpulock/", "host_path": "/old", "read_only": True},
+               {"container_path": "/usr/local/vgpu", "host_path": "/usr/local/vgpu"}],
+}).encode()
+
+
+@pytest.mark.parametrize("gate", ["1", "0", "", "true", None])
+def test_cli_allocate(lock_tree: Path, gate: str | None) -> None:
+    lock_parent = lock_tree / "vgpulock"
+    result = allocate(REQUEST, "--lock-parent", str(lock_parent), "--broker-dir", "/srv/broker",
+                      gate=gate)
+    assert result.returncode == 0, result.stderr
+    out: dict[str, Any] = json.loads(result.stdout)
+    enabled = gate == "1"
+    expected_mounts = [
+        {"containerPath": "/tmp/vgpulock", "hostPath": str(lock_parent), "readOnly": False}
+    ]
+    if enabled:
+        expected_mounts.append(
+            {"containerPath": "/tmp/vgpulock/hostpid", "hostPath": "/srv/broker",
+             "readOnly": True}
+        )
+    expected_mounts.append(
+        {"containerPath": "/usr/local/vgpu", "hostPath": "/usr/local/vgpu", "readOnly": False}
+    )
+    assert out["mounts"] == expected_mounts
+    assert out["envs"] == (
+        {"NVIDIA_VISIBLE_DEVICES": "GPU-1", GATE_ENV: "1"} if enabled
+        else {"NVIDIA_VISIBLE_DEVICES": "GPU-1"}
+    )
+    assert _lock_parent_ok(lock_parent)
+    assert (lock_parent / "hostpid").exists() is enabled
+
+
+@pytest.mark.parametrize("stdin", [b"", b"{", b"[]", b'{"mounts": 1}', b"\xff"])
+def test_cli_invalid_json_writes_nothing(lock_tree: Path, stdin: bytes) -> None:
+    result = allocate(stdin, "--lock-parent", str(lock_tree / "vgpulock"), gate="1")
+    assert result.returncode == 1
+    assert result.stdout == b""
+    assert result.stderr.count(b"\n") == 1
+    assert result.stderr.startswith(b"hostpid: ")
+
+
+@pytest.mark.parametrize("unsafe", ["symlink", "file", "foreign owner", "open parent"])
+def test_cli_unsafe_lock_parent_writes_nothing(lock_tree: Path, unsafe: str) -> None:
+    lock_parent = lock_tree / "vgpulock"
+    if unsafe == "symlink":
+        lock_parent.symlink_to("/etc")
+    elif unsafe == "file":
+        lock_parent.write_text("x")
+    elif unsafe == "foreign owner":
+        lock_parent.mkdir()
+        os.chown(lock_parent, 1000, 1000)
+    else:
+        os.chmod(lock_tree, 0o777)
+    result = allocate(REQUEST, "--lock-parent", str(lock_parent), gate="1")
+    assert result.returncode == 1
+    assert result.stdout == b""
+    assert result.stderr.count(b"\n") == 1
+    assert b"unsafe lock parent" in result.stderr
+
+
+def test_cli_default_lock_parent() -> None:
+    """
+    The default C{/tmp/vgpulock}, as the product prepares it.  Gate off, so
+    nothing is created inside it and nothing there is removed.
+    """
+    require_root()
+    result = allocate(b'{"envs": {}}', gate="0")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["mounts"] == [
+        {"containerPath": "/tmp/vgpulock", "hostPath": "/tmp/vgpulock", "readOnly": False}
+    ]
+    assert _lock_parent_ok(Path("/tmp/vgpulock"))
+
+
+def test_cli_prepare_default_lock_parent() -> None:
+    require_root()
+    env = subprocess_env()
+    env.pop(GATE_ENV, None)
+    result = subprocess.run(hostpid_argv("prepare-lock-parent"), env=env, capture_output=True,
+                            text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "/tmp/vgpulock: lock parent prepared\n"
+    assert _lock_parent_ok(Path("/tmp/vgpulock"))
