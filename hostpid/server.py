@@ -21,9 +21,12 @@ Three pieces, from the inside out:
 
 from __future__ import annotations
 
+import bisect
 import enum
 import socket
 from collections.abc import Callable
+
+import attrs
 
 from twisted.internet.interfaces import IAddress, IHalfCloseableProtocol, IReactorTime
 from twisted.internet.protocol import Factory, Protocol
@@ -51,6 +54,31 @@ _FAST_READ = 256
 
 #: Outcomes that are a client's or the kernel's failure, logged rate-limited.
 FAILURES = frozenset(Outcome) - {Outcome.OK}
+
+
+#: Upper bounds (seconds) of the transaction latency histogram's buckets.
+LATENCY_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+)
+
+
+@attrs.define
+class LatencyHistogram:
+    """
+    Accept-to-reply latency of answered transactions, in fixed buckets.
+
+    Kept here, as plain counts, so the hot path pays one C{bisect} and no
+    lock; the metrics module turns it into a Prometheus histogram at scrape
+    time.
+    """
+
+    counts: list[int] = attrs.Factory(lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    total: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        seconds = max(seconds, 0.0)
+        self.counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        self.total += seconds
 
 
 def answer(
@@ -101,8 +129,10 @@ class BrokerProtocol(Protocol):
         self._buffer = b""
         self._finished = False
         self._deadline: object = None
+        self._started = 0.0
 
     def connectionMade(self) -> None:
+        self._started = self.factory.clock.seconds()
         self._deadline = self.factory.clock.callLater(
             self.factory.deadline, self._deadlineExpired
         )
@@ -119,7 +149,7 @@ class BrokerProtocol(Protocol):
         outcome, reply = answer(
             request, self.transport.getHandle(), self.factory.identifier  # type: ignore[union-attr]
         )
-        self.factory.record(outcome)
+        self.factory.record(outcome, self._started)
         if reply is not None:
             self.transport.write(reply)  # type: ignore[union-attr]
         self.transport.loseConnection()  # type: ignore[union-attr]
@@ -178,6 +208,7 @@ class BrokerFactory(Factory):
         self.maxConnections = maxConnections
         self.active = 0
         self.counts: dict[Outcome, int] = dict.fromkeys(Outcome, 0)
+        self.latency = LatencyHistogram()
         self._idle: list[Callable[[], None]] = []
 
     def buildProtocol(self, addr: IAddress) -> BrokerProtocol | None:  # type: ignore[override]
@@ -201,10 +232,16 @@ class BrokerFactory(Factory):
         else:
             self._idle.append(callback)
 
-    def record(self, outcome: Outcome) -> None:
+    def record(self, outcome: Outcome, started: float | None = None) -> None:
+        """
+        Count a finished transaction; for an answered one, C{started} (on
+        C{self.clock}) gives its latency.
+        """
         count = self.counts[outcome] + 1
         self.counts[outcome] = count
-        if outcome in FAILURES and count & (count - 1) == 0:
+        if outcome is Outcome.OK and started is not None:
+            self.latency.observe(self.clock.seconds() - started)
+        elif outcome in FAILURES and count & (count - 1) == 0:
             self.log.warn(
                 "hostpid-broker: {outcome} transactions so far: {count}",
                 outcome=outcome.value,
@@ -219,6 +256,7 @@ class BrokerFactory(Factory):
         socket: return C{None}.  Otherwise return the bytes read so far (maybe
         none) for the general path to continue from.  Never blocks.
         """
+        started = self.clock.seconds()
         try:
             # Read a little more than the request: bytes after the 8th are
             # ignored, and swallowing them here means closing the socket does
@@ -238,7 +276,7 @@ class BrokerFactory(Factory):
             self.record(Outcome.SHORT)
             return None
         outcome, reply = answer(data[: wire.REQUEST_SIZE], sock, self.identifier)
-        self.record(outcome)
+        self.record(outcome, started)
         if reply is not None:
             try:
                 sock.send(reply, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
