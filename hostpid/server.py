@@ -27,7 +27,6 @@ import socket
 from collections.abc import Callable
 
 import attrs
-
 from twisted.internet.interfaces import IAddress, IHalfCloseableProtocol, IReactorTime
 from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger

@@ -191,28 +191,44 @@ class BrokerService(Service):
         self._watch.clock = self.reactor
         self._watch.start(self.watchInterval, now=False)
 
-    def checkSocketPath(self) -> str | None:
+    def socketPathProblem(self) -> str | None:
         """
-        Is the socket path still the socket we listen on?  If someone removed
-        or replaced it, clients can no longer reach this broker: fail, and
-        leave whatever is there now untouched.
-
-        @return: the problem found, or C{None}.
+        Is the socket path still the socket we listen on?  Say what is wrong
+        with it, or C{None}.  Looks only; changes nothing.
         """
         if self.port is None or self.port.identity is None or self._directoryFd is None:
-            return None
+            return "not listening"
         info = fsrules.identify_socket(self._directoryFd)
         if info is None:
-            problem = "the socket was removed while the broker was serving"
-        elif not self.port.identity.matches(info):
+            return "the socket was removed while the broker was serving"
+        if not self.port.identity.matches(info):
             kind = "another socket" if stat.S_ISSOCK(info.st_mode) else "another file"
-            problem = (
+            return (
                 f"the socket was replaced by {kind} (UID {info.st_uid}) while the broker "
                 "was serving; the newcomer is left untouched"
             )
-        else:
+        return None
+
+    def ready(self) -> bool:
+        """Serving: enabled, listening, not failed, and the path is still ours."""
+        return (
+            self.enabled and self.listening and not self.failed
+            and self.socketPathProblem() is None
+        )
+
+    def checkSocketPath(self) -> str | None:
+        """
+        The periodic watch: if someone removed or replaced the socket path,
+        clients can no longer reach this broker, so fail (leaving whatever is
+        there now untouched).
+
+        @return: the problem found, or C{None}.
+        """
+        if not self.listening:
             return None
-        self._fail(problem)
+        problem = self.socketPathProblem()
+        if problem is not None:
+            self._fail(problem)
         return problem
 
     def _listenerFailed(self, reason: Failure) -> None:
@@ -233,8 +249,10 @@ class BrokerService(Service):
     def stopService(self) -> Deferred[None] | None:
         """
         Stop accepting at once, let transactions in flight end (each within
-        its deadline), then release the lock.
+        its deadline), then release the lock.  Stopping twice is harmless.
         """
+        if not self.running:
+            return None
         super().stopService()
         if self._watch is not None and self._watch.running:
             self._watch.stop()

@@ -4,13 +4,18 @@ C{twistd hostpid-broker}: options and service construction, nothing more.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
+from twisted.application import strports
 from twisted.application.service import IService, MultiService
+from twisted.internet.error import CannotListenError
 from twisted.python import usage
 
 from hostpid import defaults
 from hostpid.fsrules import BrokerStartupError
+from hostpid.sdnotify import ReadinessNotifier
 from hostpid.service import BrokerService
 
 
@@ -51,6 +56,9 @@ class Options(usage.Options):
         ["deadline", None, defaults.DEADLINE,
          "One deadline per transaction, from accept to reply, in seconds.",
          _positive_float],
+        ["metrics", None, None,
+         "Twisted endpoint string for the HTTP metrics and health server "
+         "(/metrics, /healthz, /readyz), e.g. tcp:9394:interface=127.0.0.1.  Off by default."],
     ]
 
 
@@ -60,19 +68,43 @@ class _ExitOnStartupError(MultiService):
     instead of a traceback: the message names the path and the rule broken.
     """
 
+    def privilegedStartService(self) -> None:
+        """twistd binds endpoint services (the metrics port) here, before startService."""
+        with _oneLineRefusal():
+            super().privilegedStartService()
+
     def startService(self) -> None:
-        try:
+        with _oneLineRefusal():
             super().startService()
-        except BrokerStartupError as e:
-            raise SystemExit(f"hostpid-broker: cannot start: {e}") from None
+
+
+@contextmanager
+def _oneLineRefusal() -> Iterator[None]:
+    try:
+        yield
+    except BrokerStartupError as e:
+        raise SystemExit(f"hostpid-broker: cannot start: {e}") from None
+    except CannotListenError as e:
+        raise SystemExit(f"hostpid-broker: cannot start: metrics endpoint: {e}") from None
 
 
 def makeService(options: Options | dict[str, Any]) -> IService:
+    """
+    The metrics server (if asked for) first, so that a port conflict refuses
+    startup before the broker creates its socket; then the broker; then the
+    systemd notifier, which so runs once the broker listens.
+    """
     top = _ExitOnStartupError()
-    BrokerService(
+    broker = BrokerService(
         directory=options["directory"],
         maxConnections=options["max-connections"],
         deadline=options["deadline"],
         allowNonHostPidNamespace=bool(options["allow-non-host-pid-namespace"]),
-    ).setServiceParent(top)
+    )
+    if options["metrics"]:
+        from hostpid.web import metrics_site
+
+        strports.service(options["metrics"], metrics_site(broker)).setServiceParent(top)
+    broker.setServiceParent(top)
+    ReadinessNotifier().setServiceParent(top)
     return top
