@@ -19,8 +19,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from support import REPO, WAIT_SECONDS, as_user_argv, require_tool
+
 from hostpid import wire
-from tests.support import REPO, WAIT_SECONDS, require_tool
 
 C_SOURCE = REPO / "tests" / "c" / "hostpid_client.c"
 
@@ -29,23 +30,8 @@ OTHER_UID = 1000
 
 
 def as_other_uid_argv() -> list[str]:
-    """
-    A command prefix that runs a program as UID/GID 1000 with no groups.
-
-    It keeps one capability, C{CAP_DAC_READ_SEARCH}, only so the child can
-    read the interpreter and the working tree when they live under a 0700
-    C{/root}; the UID the kernel reports through C{SO_PEERCRED}, and that owns
-    what the child creates, is 1000.
-    """
-    setpriv = require_tool("setpriv")
-    return [
-        setpriv,
-        f"--reuid={OTHER_UID}",
-        f"--regid={OTHER_UID}",
-        "--clear-groups",
-        "--inh-caps=+dac_read_search",
-        "--ambient-caps=+dac_read_search",
-    ]
+    """A command prefix that runs a program as UID/GID 1000 with no groups."""
+    return as_user_argv(OTHER_UID, [])
 
 
 def response(status: int = 0, pid: int = 4242, version: int = 1, magic: bytes = b"HPID") -> bytes:

@@ -271,5 +271,23 @@ def nspid(pid: int) -> list[int]:
     raise AssertionError(f"no NSpid in /proc/{pid}/status")
 
 
-def open_fd_count() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def open_fd_count(pid: int | str = "self") -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def listen_queue(path: Path | str) -> int:
+    """
+    Connections waiting in the accept queue of the listener at C{path}
+    (the C{Recv-Q} that C{ss} reports for a listening Unix socket).
+    """
+    ss = require_tool("ss")
+    out = subprocess.run(
+        [ss, "-xlnH", "src", os.fspath(path)], capture_output=True, text=True, check=True
+    ).stdout.split()
+    return int(out[2]) if len(out) > 2 else 0
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of process C{pid}, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

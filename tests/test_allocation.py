@@ -20,6 +20,7 @@ import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from support import hostpid_argv, require_root, subprocess_env
 
 from hostpid.allocation import (
     AllocateResponse,
@@ -35,7 +36,6 @@ from hostpid.allocation import (
     response_to_object,
 )
 from hostpid.gate import GATE_ENV
-from tests.support import hostpid_argv, require_root, subprocess_env
 
 PARENT = Mount("/tmp/vgpulock", "/tmp/vgpulock", False)
 BROKER = Mount("/tmp/vgpulock/hostpid", "/var/run/hami/hostpid", True)

@@ -23,9 +23,7 @@ from pathlib import Path
 
 import pytest
 import pytest_twisted  # type: ignore[import-untyped]
-
-from hostpid import cli, client, defaults, wire
-from tests.clienttools import (
+from clienttools import (
     OTHER_UID,
     FakeBroker,
     as_other_uid_argv,
@@ -35,7 +33,7 @@ from tests.clienttools import (
     make_directory,
     response,
 )
-from tests.support import (
+from support import (
     WAIT_SECONDS,
     BrokerProcess,
     open_fd_count,
@@ -43,6 +41,8 @@ from tests.support import (
     running_broker,
     subprocess_env,
 )
+
+from hostpid import cli, client, defaults, wire
 
 ENABLED = {"LIBVGPU_HOSTPID_BROKER": "1"}
 
@@ -550,7 +550,7 @@ class TestCommandLine:
         assert "deadline must be a positive number" in err
 
     def test_query_subprocess_exit_status(self, real_broker: BrokerProcess) -> None:
-        from tests.support import hostpid_argv
+        from support import hostpid_argv
 
         done = subprocess.run(
             hostpid_argv("query", "--socket", str(real_broker.socket_path)),

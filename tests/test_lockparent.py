@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import cast
 
 import pytest
+from support import hostpid_argv, require_root, subprocess_env
 from twisted.logger import ILogObserver, globalLogPublisher
 
 from hostpid.lockparent import (
@@ -29,7 +30,6 @@ from hostpid.lockparent import (
     PreparedLockParent,
     prepare_lock_parent,
 )
-from tests.support import hostpid_argv, require_root, subprocess_env
 
 WORKLOAD_UID = 1000
 OTHER_UID = 1234

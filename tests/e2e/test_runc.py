@@ -36,10 +36,7 @@ from typing import Any
 
 import attrs
 import pytest
-
-from hostpid.allocation import Mount, response_from_json
-from hostpid.gate import GATE_ENV
-from tests.support import (
+from support import (
     REPO,
     hostpid_argv,
     require_root,
@@ -47,6 +44,9 @@ from tests.support import (
     running_broker,
     subprocess_env,
 )
+
+from hostpid.allocation import Mount, response_from_json
+from hostpid.gate import GATE_ENV
 
 WORKLOAD_UID = 1000
 RUNC_TIMEOUT = 60.0

@@ -21,9 +21,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-
-from tests.clienttools import build_c_client
-from tests.support import (
+from clienttools import build_c_client
+from support import (
     WAIT_SECONDS,
     BrokerProcess,
     nspid,

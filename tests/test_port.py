@@ -1,0 +1,127 @@
+"""
+The listening port's accept loop, deterministically: resource errors back
+off 5 ms doubling to 1 s and recover; other errors are fatal; the log stays
+quiet.  A MemoryReactorClock drives time; the listening "socket" is a stand-in
+that raises the accept errors the kernel would.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+
+import pytest
+from twisted.internet.testing import MemoryReactorClock
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from hostpid import wire
+from hostpid.port import BACKOFF_INITIAL, BACKOFF_MAX, BrokerPort
+from hostpid.server import BrokerFactory
+
+
+class ScriptedListener:
+    """A listening socket whose accept() fails or succeeds as scripted."""
+
+    def __init__(self) -> None:
+        self.errors: list[int] = []
+        self.clients: list[socket.socket] = []
+
+    def accept(self) -> tuple[socket.socket, str]:
+        if self.errors:
+            code = self.errors.pop(0)
+            if code == 0:  # a real connection, its request already waiting
+                server, client = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+                client.sendall(wire.GET_HOST_PID_REQUEST)
+                self.clients.append(client)
+                return server, ""
+            raise OSError(code, os.strerror(code))
+        raise BlockingIOError(errno.EAGAIN, "nothing waiting")
+
+    def fileno(self) -> int:
+        return -1
+
+
+@pytest.fixture
+def clock() -> MemoryReactorClock:
+    return MemoryReactorClock()
+
+
+def make_port(clock: MemoryReactorClock, fatal: list[Failure]) -> tuple[BrokerPort, list[dict]]:
+    factory = BrokerFactory(clock)
+    port = BrokerPort("/nonexistent/broker.sock", -1, factory, clock, fatal.append)
+    events: list[dict] = []
+    port.log = Logger(observer=events.append)
+    port.socket = ScriptedListener()  # type: ignore[assignment]
+    port.connected = True
+    port.startReading()
+    return port, events
+
+
+@pytest.mark.parametrize("code", [errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM])
+def test_resource_error_backs_off_and_recovers(clock, code: int) -> None:
+    fatal: list[Failure] = []
+    port, events = make_port(clock, fatal)
+    port.socket.errors = [code]  # type: ignore[attr-defined]
+    port.doRead()
+    assert port not in clock.readers, "stopped reading the listener"
+    [resume] = clock.getDelayedCalls()
+    assert resume.getTime() == pytest.approx(BACKOFF_INITIAL)
+    clock.advance(BACKOFF_INITIAL)
+    assert port in clock.readers, "resumed by itself"
+    assert fatal == []
+    assert events[0]["error"] == errno.errorcode[code]
+
+
+def test_backoff_doubles_to_one_second_and_resets(clock) -> None:
+    port, events = make_port(clock, [])
+    delays = []
+    for _ in range(12):
+        port.socket.errors = [errno.ENFILE]  # type: ignore[attr-defined]
+        port.doRead()
+        [resume] = clock.getDelayedCalls()
+        delays.append(round(resume.getTime() - clock.seconds(), 6))
+        clock.advance(resume.getTime() - clock.seconds())
+    assert delays[:8] == [0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64]
+    assert delays[8:] == [BACKOFF_MAX] * 4
+    assert len(events) == 4, "logged at the 1st, 2nd, 4th and 8th error only"
+    # One successful accept, then the next resource error starts from 5 ms again.
+    port.socket.errors = [0, errno.ENFILE]  # type: ignore[attr-defined]
+    port.doRead()
+    [client] = port.socket.clients  # type: ignore[attr-defined]
+    assert client.recv(64) == wire.encode_ok(os.getpid()), "answered on the fast path"
+    [resume] = clock.getDelayedCalls()
+    assert resume.getTime() - clock.seconds() == pytest.approx(BACKOFF_INITIAL)
+
+
+@pytest.mark.parametrize("code", [errno.ECONNABORTED, errno.EPERM, errno.EPROTO, errno.EINTR])
+def test_per_connection_errors_are_skipped(clock, code: int) -> None:
+    fatal: list[Failure] = []
+    port, _ = make_port(clock, fatal)
+    port.socket.errors = [code, code]  # type: ignore[attr-defined]
+    port.doRead()
+    assert fatal == []
+    assert port in clock.readers
+    assert clock.getDelayedCalls() == []
+
+
+@pytest.mark.parametrize("code", [errno.EBADF, errno.EINVAL, errno.ENOTSOCK])
+def test_other_accept_errors_are_fatal(clock, code: int) -> None:
+    fatal: list[Failure] = []
+    port, _ = make_port(clock, fatal)
+    port.socket.errors = [code]  # type: ignore[attr-defined]
+    port.doRead()
+    assert len(fatal) == 1
+    assert fatal[0].value.errno == code
+
+
+def test_pending_resume_is_cancelled_when_the_port_closes(clock, tmp_path) -> None:
+    port, _ = make_port(clock, [])
+    port.socket.errors = [errno.EMFILE]  # type: ignore[attr-defined]
+    port.doRead()
+    assert clock.getDelayedCalls()
+    port.socket = socket.socket(socket.AF_UNIX)  # something closable for the base class
+    port.fileno = port.socket.fileno  # type: ignore[method-assign]
+    port.connectionLost(Failure(Exception("stopped")))
+    assert clock.getDelayedCalls() == []
