@@ -17,6 +17,7 @@ as the design's failure table requires.
 from __future__ import annotations
 
 import os
+import resource
 import stat
 import sys
 from collections.abc import Callable, Mapping
@@ -62,6 +63,30 @@ def expected_uid_for(directory: str) -> int:
             )
         return 0
     return euid
+
+
+#: Descriptors the broker needs beyond one per active transaction: the
+#: listener, the directory and lock, a transient pidfd, logs, the metrics port.
+DESCRIPTOR_HEADROOM = 64
+
+
+def ensure_descriptors(maxConnections: int) -> tuple[int, int]:
+    """
+    Raise the soft C{RLIMIT_NOFILE} so that C{maxConnections} transactions fit
+    (up to the hard limit).  Running out of descriptors is survivable (accept
+    backs off), but a broker whose limit is below its own C{--max-connections}
+    would refuse clients it claims to have room for.
+
+    @return: the soft limit now in force, and the number wanted.
+    """
+    wanted = maxConnections + DESCRIPTOR_HEADROOM
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        raised = wanted if hard == resource.RLIM_INFINITY else min(hard, wanted)
+        if raised > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+            soft = raised
+    return soft, wanted
 
 
 def exit_process(reactor: Any, status: int = FATAL_EXIT_STATUS) -> None:
@@ -159,6 +184,14 @@ class BrokerService(Service):
                 namespace=namespace, option=OVERRIDE_OPTION,
             )
         expectedUid = expected_uid_for(self.directory)
+        limit, wanted = ensure_descriptors(self.maxConnections)
+        if limit < wanted:
+            self.log.warn(
+                "hostpid-broker: RLIMIT_NOFILE is {limit}, below the {wanted} descriptors that "
+                "{maxConnections} active transactions need; raise the hard limit "
+                "(systemd LimitNOFILE=, ulimit -n)",
+                limit=limit, wanted=wanted, maxConnections=self.maxConnections,
+            )
         self._directoryFd = fsrules.open_broker_directory(self.directory, expectedUid)
         self.log.info(
             "hostpid-broker: directory prepared: {path} (UID {uid}, mode 0711)",

@@ -264,3 +264,27 @@ def test_restart_after_removal_restores_service(directory: Path) -> None:
         assert first.wait_exit() == 1
     with running_broker(directory) as second:
         assert wait_for(lambda: ask_pid(second.socket_path) == os.getpid(), "service")
+
+
+def test_descriptor_limit_is_raised_to_fit_max_connections(directory: Path) -> None:
+    import resource
+
+    def low_soft_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 4096))
+
+    with running_broker(
+        directory, "--max-connections", "1000", preexec_fn=low_soft_limit
+    ) as broker:
+        limits = Path(f"/proc/{broker.pid}/limits").read_text()
+        [line] = [line for line in limits.splitlines() if line.startswith("Max open files")]
+        assert line.split()[3:5] == ["1064", "4096"]
+
+
+def test_descriptor_limit_below_need_is_reported(directory: Path) -> None:
+    import resource
+
+    def low_hard_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
+
+    with running_broker(directory, preexec_fn=low_hard_limit) as broker:
+        assert "RLIMIT_NOFILE is 128, below the 576 descriptors" in broker.output()
