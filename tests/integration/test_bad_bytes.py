@@ -12,6 +12,7 @@ real blocking clients.
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import time
@@ -53,7 +54,7 @@ def exchange_fragmented(path: str, data: bytes, cuts: list[int], pause: float,
         sock.settimeout(10)
         sock.connect(path)
         try:
-            for start, end in zip(points, points[1:]):
+            for start, end in itertools.pairwise(points):
                 sock.sendall(data[start:end])
                 time.sleep(pause)
             if half_close:
