@@ -34,23 +34,16 @@ import stat
 import attrs
 
 from hostpid import defaults
+from hostpid.errors import PathRuleError
 
 
-class BrokerStartupError(Exception):
+class BrokerStartupError(PathRuleError):
     """
     The broker must not start: C{path} breaks C{rule}.
 
     The message is one line meant for an operator: the path first, then the
     rule, then what (if anything) was done about it.
     """
-
-    def __init__(self, path: str, rule: str) -> None:
-        super().__init__(path, rule)
-        self.path = path
-        self.rule = rule
-
-    def __str__(self) -> str:
-        return f"{self.path}: {self.rule}"
 
 
 class LockHeld(BrokerStartupError):

@@ -41,6 +41,7 @@ import attrs
 from twisted.logger import Logger
 
 from hostpid import defaults
+from hostpid.errors import PathRuleError
 
 log = Logger(namespace="hostpid.lockparent")
 
@@ -62,22 +63,13 @@ _DIRECTORY_FLAGS = (
 StepHook = Callable[[str], None]
 
 
-class LockParentError(Exception):
+class LockParentError(PathRuleError):
     """
     The lock parent (or the broker mountpoint in it) cannot be prepared
     safely.  No allocation may use it.
-
-    @ivar path: the path that broke the rule.
-    @ivar rule: the rule broken, in words an operator can act on.
     """
 
-    def __init__(self, path: str, rule: str) -> None:
-        super().__init__(path, rule)
-        self.path = path
-        self.rule = rule
-
-    def __str__(self) -> str:
-        return f"unsafe lock parent: {self.path}: {self.rule}"
+    prefix = "unsafe lock parent: "
 
 
 @attrs.frozen

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Mapping
+from typing import Any
 
 from twisted.application.service import Service
 from twisted.logger import Logger
@@ -43,12 +44,21 @@ class ReadinessNotifier(Service):
     Put it in a L{MultiService} I{after} the broker: children start in order,
     so it runs once the broker listens (or has logged that it is disabled),
     and stop in reverse order, so systemd hears C{STOPPING=1} first.
+
+    C{READY=1} waits until the reactor runs: twistd starts services before
+    the reactor installs its signal handlers, and a SIGTERM in between would
+    kill the process without a clean stop.
     """
 
     log = Logger()
 
-    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+    def __init__(self, environ: Mapping[str, str] | None = None, reactor: Any = None) -> None:
+        if reactor is None:
+            from twisted.internet import reactor as _reactor
+
+            reactor = _reactor
         self.environ = environ
+        self.reactor = reactor
 
     def _send(self, message: str) -> None:
         try:
@@ -61,7 +71,7 @@ class ReadinessNotifier(Service):
 
     def startService(self) -> None:
         super().startService()
-        self._send("READY=1")
+        self.reactor.callWhenRunning(self._send, "READY=1")
 
     def stopService(self) -> None:
         super().stopService()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import errno
 import os
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,14 +21,6 @@ from hostpid.peercred import (
     peer_pidfd,
     pidfd_current_pid,
 )
-
-
-@pytest.fixture
-def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
-    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    yield left, right
-    left.close()
-    right.close()
 
 
 def accepted_from_exited_child(path: Path) -> socket.socket:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterator
 
 import pytest
 from twisted.internet.testing import MemoryReactorClock, StringTransport
@@ -31,14 +30,6 @@ class SocketStringTransport(StringTransport):
 
     def getHandle(self) -> socket.socket:
         return self.handle
-
-
-@pytest.fixture
-def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
-    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    yield left, right
-    left.close()
-    right.close()
 
 
 @pytest.fixture

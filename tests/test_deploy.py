@@ -1,0 +1,881 @@
+"""
+The deployment recipes under C{deploy/}, checked with the real tools and the
+real broker.
+
+Why each check exists:
+
+- Kubernetes manifests are validated OFFLINE against the schemas that the
+  C{kubernetes-validate} package ships (strict: an unknown field such as a
+  mistyped C{hostPid} fails), for pinned Kubernetes versions.  A manifest the
+  API server would reject is found here, not during a rollout.
+- Schemas cannot express the design's rules (the broker is never enabled
+  without the host PID namespace; the workload's broker mount is read-only; the
+  broker runs as root; probes hit C{/healthz} and C{/readyz} on the metrics
+  port).  L{pod_rule_violations} states them, and negative tests prove that it
+  flags each broken rule, so a passing check means something.
+- The commands the recipes run (the Containerfile's entry point, the
+  DaemonSet's container, the systemd unit's C{ExecStart}) are run for real
+  from the working tree, with the restrictions their recipes impose (root with
+  no capability, C{no_new_privs}, no writable+executable memory), and must serve.
+- The systemd unit passes C{systemd-analyze verify} and its offline security
+  review.
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import json
+import os
+import posixpath
+import re
+import shlex
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate.utils as kubernetes_validate
+import pytest
+import yaml
+from support import (
+    REPO,
+    TWISTD,
+    ask_pid,
+    require_root,
+    require_tool,
+    subprocess_env,
+    wait_for,
+)
+
+from hostpid import defaults
+
+DEPLOY = REPO / "deploy"
+KUBERNETES = DEPLOY / "kubernetes"
+DAEMONSET = KUBERNETES / "20-daemonset.yaml"
+WORKLOAD_EXAMPLE = KUBERNETES / "examples" / "workload-pod.yaml"
+UNIT = DEPLOY / "systemd" / "hostpid-broker.service"
+CONTAINERFILE = DEPLOY / "container" / "Containerfile"
+
+#: Kubernetes versions the manifests must be valid for: the oldest and the
+#: newest minor release we claim (both ship with kubernetes-validate 1.37).
+KUBERNETES_VERSIONS = ("1.29.0", "1.33.0")
+
+GATE = "LIBVGPU_HOSTPID_BROKER"
+BROKER_DIRECTORY = defaults.BROKER_DIRECTORY
+LOCK_PARENT = "/tmp/vgpulock"
+WORKLOAD_BROKER_MOUNT = "/tmp/vgpulock/hostpid"
+BROKER_COMMAND = ["twistd", "--nodaemon", "--pidfile=", "hostpid-broker"]
+
+
+# --- reading the recipes -------------------------------------------------------------
+
+
+def manifest_files() -> list[Path]:
+    """Every Kubernetes manifest we ship, examples included."""
+    return sorted(KUBERNETES.rglob("*.yaml"))
+
+
+def load_documents(path: Path) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def all_documents() -> list[tuple[Path, dict[str, Any]]]:
+    return [(path, doc) for path in manifest_files() for doc in load_documents(path)]
+
+
+def pod_spec(doc: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The pod spec inside a workload object, or C{None} for other kinds."""
+    kind = doc.get("kind")
+    spec = doc.get("spec", {})
+    if kind == "Pod":
+        return spec
+    if kind in ("DaemonSet", "Deployment", "StatefulSet", "ReplicaSet", "Job"):
+        return spec["template"]["spec"]
+    if kind == "CronJob":
+        return spec["jobTemplate"]["spec"]["template"]["spec"]
+    return None
+
+
+def clean_path(path: str) -> str:
+    """
+    A container path as the runtime compares it: absolute and normalized.
+    (C{posixpath.normpath} keeps a leading C{//}; strip it.)
+    """
+    return "/" + posixpath.normpath("/" + path).lstrip("/")
+
+
+def container_argv(container: Mapping[str, Any]) -> list[str]:
+    return [*container.get("command", []), *container.get("args", [])]
+
+
+def is_broker_container(container: Mapping[str, Any]) -> bool:
+    """
+    Runs the broker: its command line names the twistd plugin, or it keeps the
+    image's entry point and the image is the broker's.
+    """
+    if "hostpid-broker" in container_argv(container):
+        return True
+    return "command" not in container and "hostpid-broker" in container.get("image", "")
+
+
+def gate_value(container: Mapping[str, Any]) -> str | None:
+    """The literal gate value, C{None} when unset; C{valueFrom} cannot be judged."""
+    for var in container.get("env", []):
+        if var["name"] == GATE:
+            if "value" not in var:
+                raise ValueError(f"{GATE} must be a literal value so the rules can be checked")
+            return str(var["value"])
+    return None
+
+
+def metrics_port(argv: Sequence[str]) -> int | None:
+    """The TCP port of C{--metrics ENDPOINT} (C{tcp:PORT:...} or C{port=PORT})."""
+    for option, value in zip(argv, argv[1:], strict=False):
+        if option == "--metrics":
+            fields = re.split(r"(?<!\\):", value)
+            if fields[0] in ("tcp", "tcp6"):
+                for field in fields[1:]:
+                    if field.isdigit():
+                        return int(field)
+                    if field.startswith("port="):
+                        return int(field.split("=", 1)[1])
+    return None
+
+
+def probe_port(container: Mapping[str, Any], probe: Mapping[str, Any]) -> int | None:
+    """The container port an httpGet probe targets (by number or by port name)."""
+    port = probe.get("httpGet", {}).get("port")
+    if isinstance(port, int):
+        return port
+    for declared in container.get("ports", []):
+        if declared.get("name") == port:
+            return int(declared["containerPort"])
+    return None
+
+
+# --- the design's rules ----------------------------------------------------------------
+
+
+def pod_rule_violations(spec: Mapping[str, Any], where: str) -> list[str]:
+    """
+    Every way C{spec} breaks the design's deployment rules, as readable lines
+    (empty when it keeps them all).
+
+    Broker containers: enabled only with C{hostPID: true} (and given it even
+    while the gate is off, so that enabling is a one-variable change); root;
+    no capability; the gate set literally; C{--nodaemon --pidfile=}; the broker
+    directory from a C{DirectoryOrCreate} hostPath at the same path, writable;
+    liveness on C{/healthz} and readiness on C{/readyz}, both on the
+    C{--metrics} port; requests and limits.
+
+    Any container with the broker mount (a workload): read-only, from the
+    broker directory, below a writable lock parent listed first.
+    """
+    problems: list[str] = []
+    volumes = {volume["name"]: volume for volume in spec.get("volumes", [])}
+    host_pid = spec.get("hostPID") is True
+    pod_security = spec.get("securityContext", {})
+
+    for container in spec.get("containers", []) + spec.get("initContainers", []):
+        name = f"{where}: container {container['name']}"
+        mounts = container.get("volumeMounts", [])
+
+        if is_broker_container(container):
+            try:
+                gate = gate_value(container)
+            except ValueError as e:
+                problems.append(f"{name}: {e}")
+                gate = None
+            if gate is None:
+                problems.append(f"{name}: the broker container must set {GATE} explicitly")
+            if gate == "1" and not host_pid:
+                problems.append(
+                    f"{name}: the broker is ENABLED without hostPID: true "
+                    "(it would report PIDs of the wrong PID namespace, or refuse to start)"
+                )
+            elif not host_pid:
+                problems.append(f"{name}: a broker pod must have hostPID: true")
+
+            security = container.get("securityContext", {})
+            user = security.get("runAsUser", pod_security.get("runAsUser"))
+            if user != 0:
+                problems.append(f"{name}: the broker must run as root (runAsUser: 0), not {user}")
+            if security.get("runAsNonRoot", pod_security.get("runAsNonRoot")) is True:
+                problems.append(f"{name}: runAsNonRoot contradicts the broker's root requirement")
+            if security.get("privileged") is True:
+                problems.append(f"{name}: the broker needs no privileged mode")
+            if security.get("allowPrivilegeEscalation") is not False:
+                problems.append(f"{name}: allowPrivilegeEscalation must be false")
+            capabilities = security.get("capabilities", {})
+            if "ALL" not in capabilities.get("drop", []) or capabilities.get("add"):
+                problems.append(f"{name}: the broker needs no capability: drop ALL, add none")
+
+            argv = container_argv(container)
+            if argv and ("--nodaemon" not in argv or "--pidfile=" not in argv):
+                problems.append(f"{name}: run twistd with --nodaemon --pidfile=")
+
+            broker_mounts = [m for m in mounts if clean_path(m["mountPath"]) == BROKER_DIRECTORY]
+            if len(broker_mounts) != 1:
+                problems.append(f"{name}: mount the broker directory at {BROKER_DIRECTORY}")
+            for mount in broker_mounts:
+                if mount.get("readOnly"):
+                    problems.append(f"{name}: the broker's own directory mount must be writable")
+                host_path = volumes.get(mount["name"], {}).get("hostPath")
+                if host_path is None or clean_path(host_path["path"]) != BROKER_DIRECTORY:
+                    problems.append(f"{name}: {BROKER_DIRECTORY} must be the host's directory")
+                elif host_path.get("type") != "DirectoryOrCreate":
+                    problems.append(
+                        f"{name}: the broker directory hostPath type must be DirectoryOrCreate, "
+                        f"not {host_path.get('type')}"
+                    )
+
+            port = metrics_port(argv)
+            declared = {p.get("containerPort") for p in container.get("ports", [])}
+            if port is None or port not in declared:
+                problems.append(f"{name}: --metrics must listen on a declared containerPort")
+            for kind, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
+                probe = container.get(kind)
+                if probe is None or probe.get("httpGet", {}).get("path") != path:
+                    problems.append(f"{name}: {kind} must be httpGet {path}")
+                elif probe_port(container, probe) != port:
+                    problems.append(f"{name}: {kind} must target the --metrics port {port}")
+
+            resources = container.get("resources", {})
+            for bound in ("requests", "limits"):
+                if not {"cpu", "memory"} <= set(resources.get(bound, {})):
+                    problems.append(f"{name}: set resources.{bound} for cpu and memory")
+
+        paths = [clean_path(m["mountPath"]) for m in mounts]
+        for index, mount in enumerate(mounts):
+            if paths[index] != WORKLOAD_BROKER_MOUNT:
+                continue
+            if mount.get("readOnly") is not True:
+                problems.append(
+                    f"{name}: the workload's broker mount {WORKLOAD_BROKER_MOUNT} must be "
+                    "readOnly: true"
+                )
+            host_path = volumes.get(mount["name"], {}).get("hostPath")
+            if host_path is None or clean_path(host_path["path"]) != BROKER_DIRECTORY:
+                problems.append(
+                    f"{name}: {WORKLOAD_BROKER_MOUNT} must come from {BROKER_DIRECTORY}"
+                )
+            parents = [i for i, path in enumerate(paths) if path == LOCK_PARENT]
+            if not parents or parents[0] > index or mounts[parents[0]].get("readOnly"):
+                problems.append(
+                    f"{name}: a writable {LOCK_PARENT} mount must be listed before the broker mount"
+                )
+    return problems
+
+
+def all_violations(documents: Sequence[tuple[Path, Mapping[str, Any]]]) -> list[str]:
+    problems: list[str] = []
+    for path, doc in documents:
+        spec = pod_spec(doc)
+        if spec is not None:
+            where = f"{path.relative_to(REPO)}: {doc['kind']}/{doc['metadata']['name']}"
+            problems += pod_rule_violations(spec, where)
+    return problems
+
+
+def daemonset() -> dict[str, Any]:
+    (doc,) = load_documents(DAEMONSET)
+    assert doc["kind"] == "DaemonSet"
+    return doc
+
+
+def broker_container(doc: Mapping[str, Any]) -> dict[str, Any]:
+    spec = pod_spec(doc)
+    assert spec is not None
+    (container,) = [c for c in spec["containers"] if is_broker_container(c)]
+    return container
+
+
+def set_gate(doc: dict[str, Any], value: str) -> dict[str, Any]:
+    """A copy of C{doc} with the broker's gate set, as C{kubectl set env} would."""
+    doc = copy.deepcopy(doc)
+    for var in broker_container(doc)["env"]:
+        if var["name"] == GATE:
+            var["value"] = value
+    return doc
+
+
+# --- Kubernetes: schemas ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_manifests_validate_against_kubernetes_schemas(version: str) -> None:
+    documents = all_documents()
+    kinds = sorted(doc["kind"] for _, doc in documents)
+    assert kinds == ["DaemonSet", "Namespace", "Pod", "ServiceAccount"]
+    for path, doc in documents:
+        validated = kubernetes_validate.validate(doc, version, strict=True)
+        assert validated == version.rsplit(".", 1)[0], (path, "validated against another version")
+
+
+def test_schema_validation_rejects_an_unknown_field() -> None:
+    """Strict mode is on: a mistyped field fails instead of being ignored."""
+    doc = daemonset()
+    spec = pod_spec(doc)
+    assert spec is not None
+    spec["hostPid"] = spec.pop("hostPID")
+    with pytest.raises(kubernetes_validate.ValidationError, match="hostPid"):
+        kubernetes_validate.validate(doc, KUBERNETES_VERSIONS[-1], strict=True)
+
+
+# --- Kubernetes: the design's rules ----------------------------------------------------
+
+
+def test_shipped_manifests_keep_the_rules() -> None:
+    documents = all_documents()
+    assert all_violations(documents) == []
+    containers = [c for _, doc in documents if (s := pod_spec(doc)) for c in s["containers"]]
+    assert sum(map(is_broker_container, containers)) == 1, "the checker found the broker"
+    workload_mounts = [
+        m for c in containers for m in c.get("volumeMounts", [])
+        if clean_path(m["mountPath"]) == WORKLOAD_BROKER_MOUNT
+    ]
+    assert len(workload_mounts) == 1, "the checker found the workload's broker mount"
+
+
+def test_daemonset_ships_with_the_gate_off_and_keeps_the_rules_when_enabled() -> None:
+    """Installed everywhere with the gate off, then enabled (docs/rollout.md)."""
+    doc = daemonset()
+    assert gate_value(broker_container(doc)) == "0"
+    assert all_violations([(DAEMONSET, set_gate(doc, "1"))]) == []
+
+
+def _mutate(doc: dict[str, Any], change: Callable[[dict[str, Any], dict[str, Any]], None]) -> dict:
+    doc = copy.deepcopy(doc)
+    spec = pod_spec(doc)
+    assert spec is not None
+    change(spec, spec["containers"][0])
+    return doc
+
+
+def _set(container: dict[str, Any], dotted: str, value: object) -> None:
+    *parents, last = dotted.split(".")
+    for key in parents:
+        container = container.setdefault(key, {})
+    container[last] = value
+
+
+BROKEN_DAEMONSETS: dict[str, tuple[Callable[[dict, dict], None], str]] = {
+    "enabled without hostPID": (
+        lambda spec, c: spec.update(hostPID=False), "ENABLED without hostPID"),
+    "hostPID missing": (
+        lambda spec, c: spec.pop("hostPID"), "ENABLED without hostPID"),
+    "not root": (
+        lambda spec, c: _set(c, "securityContext.runAsUser", 1000), "must run as root"),
+    "runAsNonRoot": (
+        lambda spec, c: _set(c, "securityContext.runAsNonRoot", True), "runAsNonRoot"),
+    "a capability added": (
+        lambda spec, c: _set(c, "securityContext.capabilities.add", ["DAC_OVERRIDE"]),
+        "needs no capability"),
+    "hostPath type Directory": (
+        lambda spec, c: spec["volumes"][0]["hostPath"].update(type="Directory"),
+        "must be DirectoryOrCreate"),
+    "broker directory read-only": (
+        lambda spec, c: c["volumeMounts"][0].update(readOnly=True), "must be writable"),
+    "readiness on /healthz": (
+        lambda spec, c: _set(c, "readinessProbe.httpGet.path", "/healthz"),
+        "readinessProbe must be httpGet /readyz"),
+    "liveness missing": (
+        lambda spec, c: c.pop("livenessProbe"), "livenessProbe must be httpGet /healthz"),
+    "probe on another port": (
+        lambda spec, c: _set(c, "livenessProbe.httpGet.port", 8080), "the --metrics port"),
+    "gate unset": (
+        lambda spec, c: c.pop("env"), "must set LIBVGPU_HOSTPID_BROKER explicitly"),
+    "stale pidfile possible": (
+        lambda spec, c: c["command"].remove("--pidfile="), "--nodaemon --pidfile="),
+    "no limits": (
+        lambda spec, c: c["resources"].pop("limits"), "resources.limits"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN_DAEMONSETS))
+def test_rule_checker_flags_a_broken_daemonset(case: str) -> None:
+    """Each rule can fail: a copy of the enabled DaemonSet broken one way is flagged."""
+    change, expected = BROKEN_DAEMONSETS[case]
+    broken = _mutate(set_gate(daemonset(), "1"), change)
+    problems = all_violations([(DAEMONSET, broken)])
+    assert any(expected in problem for problem in problems), problems
+
+
+def test_rule_checker_flags_a_writable_workload_broker_mount() -> None:
+    (doc,) = load_documents(WORKLOAD_EXAMPLE)
+    for mount in doc["spec"]["containers"][0]["volumeMounts"]:
+        if clean_path(mount["mountPath"]) == WORKLOAD_BROKER_MOUNT:
+            mount["readOnly"] = False
+            mount["mountPath"] = "/tmp/vgpulock/hostpid/"  # an equivalent spelling
+    problems = all_violations([(WORKLOAD_EXAMPLE, doc)])
+    assert any("must be readOnly: true" in problem for problem in problems), problems
+
+
+def test_workload_example_is_what_hostpid_allocate_produces(tmp_path: Path) -> None:
+    """
+    The example Pod spells out the allocation response: run the real
+    C{hostpid allocate} (gate on) and compare mount by mount, in order.
+    """
+    require_root()  # the lock parent it prepares must be root's
+    host_tmp = tmp_path / "host-tmp"
+    host_tmp.mkdir(mode=0o755)
+    host_tmp.chmod(0o755)
+    lock_parent = host_tmp / "vgpulock"
+    result = subprocess.run(
+        [sys.executable, "-m", "hostpid.cli", "allocate", "--lock-parent", str(lock_parent)],
+        input=json.dumps({"envs": {}, "mounts": [], "devices": []}),
+        env=subprocess_env({GATE: "1"}),
+        capture_output=True, text=True, timeout=60, cwd=tempfile.gettempdir(),
+    )
+    assert result.returncode == 0, result.stderr
+    response = json.loads(result.stdout)
+
+    (pod,) = load_documents(WORKLOAD_EXAMPLE)
+    (container,) = pod["spec"]["containers"]
+    volumes = {v["name"]: v["hostPath"]["path"] for v in pod["spec"]["volumes"]}
+    example = [
+        (m["mountPath"], volumes[m["name"]], bool(m.get("readOnly")))
+        for m in container["volumeMounts"]
+    ]
+    allocated = [
+        (m["containerPath"], m["hostPath"], m["readOnly"]) for m in response["mounts"]
+    ]
+    # The test prepared its own lock parent; the default is /tmp/vgpulock.
+    allocated = [
+        (path, LOCK_PARENT if host == str(lock_parent) else host, ro)
+        for path, host, ro in allocated
+    ]
+    assert example == allocated
+    assert {v["name"]: v["value"] for v in container["env"]} == response["envs"]
+
+
+# --- running the recipes' commands -----------------------------------------------------
+
+#: Runs its arguments with no writable+executable memory (the kernel's
+#: PR_SET_MDWE, what systemd's MemoryDenyWriteExecute= enforces with seccomp)
+#: and umask 077 (the unit's UMask=), both kept across exec.
+_LAUNCHER = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.prctl(65, 1, 0, 0, 0) != 0:  # PR_SET_MDWE, PR_MDWE_REFUSE_EXEC_GAIN
+    sys.exit("PR_SET_MDWE: " + os.strerror(ctypes.get_errno()))
+os.umask(0o077)
+os.execvp(sys.argv[1], sys.argv[1:])
+"""
+
+
+def mdwe_supported() -> bool:
+    """PR_SET_MDWE exists from Linux 6.3."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    return bool(libc.prctl(66, 0, 0, 0, 0) >= 0)  # PR_GET_MDWE
+
+
+def restricted_prefix() -> list[str]:
+    """
+    Root with what the recipes leave it: no capability in any set, and
+    no_new_privs (the pod's C{capabilities: drop: [ALL]} and
+    C{allowPrivilegeEscalation: false}; the unit's C{CapabilityBoundingSet=}
+    and C{NoNewPrivileges=yes}); plus no W+X memory where the kernel can
+    enforce it (the unit's C{MemoryDenyWriteExecute=yes}).
+    """
+    require_root()
+    setpriv = require_tool("setpriv")
+    prefix = [setpriv, "--no-new-privs", "--bounding-set=-all", "--inh-caps=-all",
+              "--ambient-caps=-all", "--"]
+    if mdwe_supported():
+        prefix = [sys.executable, "-c", _LAUNCHER, *prefix]
+    return prefix
+
+
+def free_tcp_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def http_get(port: int, path: str) -> tuple[int, str]:
+    """One real HTTP GET on loopback: the status and body, 503 included."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def http_up(port: int, path: str = "/healthz") -> bool:
+    try:
+        return http_get(port, path)[0] == 200
+    except OSError:
+        return False
+
+
+class Command:
+    """A recipe's command line in its own process; output kept in a file."""
+
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str]) -> None:
+        self.log = tempfile.TemporaryFile()
+        self.process = subprocess.Popen(
+            list(argv), env=dict(env), stdin=subprocess.DEVNULL, stdout=self.log,
+            stderr=subprocess.STDOUT, cwd=tempfile.gettempdir(),
+        )
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode("utf-8", "replace")
+
+    def alive(self) -> bool:
+        if self.process.poll() is not None:
+            raise AssertionError(f"exited {self.process.returncode}:\n{self.output()}")
+        return True
+
+    def status_field(self, field: str) -> str:
+        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return line.split(":", 1)[1].strip()
+        raise AssertionError(f"no {field} in /proc/{self.process.pid}/status")
+
+    def terminate(self) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"did not stop on SIGTERM:\n{self.output()}") from None
+
+
+@contextmanager
+def running(argv: Sequence[str], env: Mapping[str, str]) -> Iterator[Command]:
+    command = Command(argv, env)
+    try:
+        yield command
+    finally:
+        if command.process.poll() is None:
+            command.process.kill()
+            command.process.wait()
+        command.log.close()
+
+
+def from_working_tree(argv: Sequence[str]) -> list[str]:
+    """C{argv} with C{twistd} run by this interpreter from the working tree."""
+    assert argv[0].rsplit("/", 1)[-1] == "twistd", argv
+    return [*TWISTD, *argv[1:]]
+
+
+def with_metrics_port(argv: Sequence[str], port: int) -> list[str]:
+    """C{argv} with its C{--metrics} endpoint moved to C{port} on loopback."""
+    out = list(argv)
+    index = out.index("--metrics") + 1
+    out[index] = f"tcp:{port}:interface=127.0.0.1"
+    return out
+
+
+def assert_broker_files(directory: Path) -> None:
+    """The modes workloads' clients require, whatever umask the recipe sets."""
+    assert stat.S_IMODE(os.lstat(directory).st_mode) == 0o711
+    assert stat.S_IMODE(os.lstat(directory / "broker.sock").st_mode) == 0o666
+    assert stat.S_IMODE(os.lstat(directory / "broker.lock").st_mode) == 0o600
+    for name in ("", "broker.sock", "broker.lock"):
+        assert os.lstat(directory / name).st_uid == 0
+
+
+# --- the container image ---------------------------------------------------------------
+
+
+def containerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, with continuations joined and comments dropped."""
+    instructions: list[tuple[str, str]] = []
+    pending = ""
+    for raw in CONTAINERFILE.read_text().splitlines():
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        if line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        keyword, _, rest = (pending + line).partition(" ")
+        instructions.append((keyword.upper(), rest.strip()))
+        pending = ""
+    return instructions
+
+
+def exec_form(arguments: str) -> list[str]:
+    """An ENTRYPOINT/CMD in JSON exec form (the shell form would wrap signals)."""
+    value = json.loads(arguments)
+    assert isinstance(value, list) and all(isinstance(v, str) for v in value), arguments
+    return value
+
+
+def containerfile_command() -> tuple[list[str], dict[str, str]]:
+    """The argv the image runs (ENTRYPOINT + CMD) and the environment it sets."""
+    entrypoint: list[str] = []
+    cmd: list[str] = []
+    env: dict[str, str] = {}
+    for keyword, arguments in containerfile_instructions():
+        if keyword == "ENTRYPOINT":
+            entrypoint = exec_form(arguments)
+        elif keyword == "CMD":
+            cmd = exec_form(arguments)
+        elif keyword == "ENV":
+            for pair in shlex.split(arguments):
+                name, _, value = pair.partition("=")
+                env[name] = value
+    return [*entrypoint, *cmd], env
+
+
+def test_containerfile_installs_the_package_and_runs_the_broker() -> None:
+    instructions = containerfile_instructions()
+    (base,) = [args for keyword, args in instructions if keyword == "FROM"]
+    assert base.startswith("python:3.11"), "the project's minimum Python"
+    argv, _ = containerfile_command()
+    assert argv == BROKER_COMMAND
+    assert not any(k == "USER" for k, _ in instructions), "the broker must run as root"
+    copied = [
+        source for keyword, args in instructions if keyword == "COPY"
+        for source in shlex.split(args)[:-1]
+    ]
+    for source in copied:
+        assert (REPO / source).exists(), f"COPY {source}: not in the build context"
+    assert {"setup.cfg", "hostpid", "twisted"} <= set(copied), "what pip install . needs"
+    (install,) = [args for keyword, args in instructions if keyword == "RUN"]
+    assert 'pip install ".[metrics]"' in install, "--metrics needs prometheus-client"
+    # The DaemonSet states the same command explicitly.
+    assert broker_container(daemonset())["command"] == argv
+
+
+def test_containerfile_command_exists() -> None:
+    """
+    C{twistd} is a console script of the Twisted distribution (so C{pip
+    install} puts it on the image's PATH), and it finds the C{hostpid-broker}
+    plugin.
+    """
+    argv, _ = containerfile_command()
+    scripts = entry_points(group="console_scripts", name=argv[0])
+    assert [script.dist.name.lower() for script in scripts if script.dist] == ["twisted"]
+    result = subprocess.run(
+        from_working_tree([*argv, "--help"]), env=subprocess_env(),
+        capture_output=True, text=True, timeout=60, cwd=tempfile.gettempdir(),
+    )
+    assert result.returncode == 0, result.stderr
+    assert "--max-connections" in result.stdout and "--metrics" in result.stdout
+
+
+@pytest.mark.parametrize("gate", ["1", None])
+def test_containerfile_command_starts(tmp_path: Path, gate: str | None) -> None:
+    """The image's command line, as the image runs it, serves (gate "1") or says disabled."""
+    argv, image_env = containerfile_command()
+    directory = tmp_path / "broker"
+    env = subprocess_env(image_env)
+    env.pop(GATE, None)
+    if gate is not None:
+        env[GATE] = gate
+    with running(from_working_tree([*argv, "--directory", str(directory)]), env) as broker:
+        if gate == "1":
+            wait_for(
+                lambda: broker.alive() and ask_pid(directory / "broker.sock") == os.getpid(),
+                "the broker to answer with this process's PID",
+            )
+        else:
+            wait_for(lambda: broker.alive() and "disabled" in broker.output(), "disabled")
+            assert not directory.exists()
+        assert broker.terminate() == -signal.SIGTERM, broker.output()
+    assert not (directory / "broker.sock").exists()
+
+
+# --- the DaemonSet's container, run as its securityContext says ------------------------
+
+
+@pytest.mark.parametrize("gate", ["0", "1"])
+def test_daemonset_container_serves_its_probes_as_root_without_capabilities(
+    tmp_path: Path, gate: str
+) -> None:
+    """
+    The container's command, args and env from the DaemonSet (shipped with the
+    gate off, then enabled), run as root with every capability dropped and
+    no_new_privs, on a directory that kubelet's DirectoryOrCreate made (root,
+    0755) and that holds a previous broker's stale socket and lock: it starts,
+    answers its readiness and liveness probes, and serves.
+    """
+    prefix = restricted_prefix()
+    container = broker_container(set_gate(daemonset(), gate))
+    directory = tmp_path / "hostpath"
+    directory.mkdir(mode=0o755)
+    directory.chmod(0o755)
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(directory / "broker.sock"))
+    stale.close()
+    (directory / "broker.lock").touch(mode=0o600)
+
+    port = free_tcp_port()
+    argv = with_metrics_port(container_argv(container), port)
+    env = subprocess_env({var["name"]: var["value"] for var in container["env"]})
+    liveness = container["livenessProbe"]["httpGet"]["path"]
+    readiness = container["readinessProbe"]["httpGet"]["path"]
+    command = [*prefix, *from_working_tree([*argv, "--directory", str(directory)])]
+    with running(command, env) as broker:
+        wait_for(lambda: broker.alive() and http_up(port, liveness), "the liveness probe")
+        assert broker.status_field("CapEff") == "0" * 16
+        assert broker.status_field("CapBnd") == "0" * 16
+        assert broker.status_field("NoNewPrivs") == "1"
+        status, body = http_get(port, readiness)
+        assert status == 200, body
+        if gate == "1":
+            assert "listening" in body
+            assert ask_pid(directory / "broker.sock") == os.getpid()
+            assert_broker_files(directory)
+        else:
+            assert "disabled" in body
+        assert broker.terminate() == -signal.SIGTERM, broker.output()
+
+
+# --- the systemd unit ------------------------------------------------------------------
+
+
+def unit_entries() -> list[tuple[str, str, str]]:
+    """(section, key, value) for every assignment, in order (keys may repeat)."""
+    entries: list[tuple[str, str, str]] = []
+    section = ""
+    for raw in UNIT.read_text().splitlines():
+        line = raw.strip()
+        if not line or line[0] in "#;":
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            section = line[1:-1]
+            continue
+        key, _, value = line.partition("=")
+        entries.append((section, key.strip(), value.strip()))
+    return entries
+
+
+def unit_values(key: str, section: str = "Service") -> list[str]:
+    return [v for s, k, v in unit_entries() if s == section and k == key]
+
+
+def unit_value(key: str, section: str = "Service") -> str:
+    values = unit_values(key, section)
+    assert len(values) == 1, f"{key}= must be set once in [{section}], found {values}"
+    return values[0]
+
+
+def unit_environment() -> dict[str, str]:
+    env: dict[str, str] = {}
+    for value in unit_values("Environment"):
+        for pair in shlex.split(value):
+            name, _, setting = pair.partition("=")
+            env[name] = setting
+    return env
+
+
+def test_unit_states_what_the_broker_needs() -> None:
+    assert unit_value("Type") == "notify", "READY=1 once listening"
+    assert unit_value("NotifyAccess") == "main"
+    argv = shlex.split(unit_value("ExecStart"))
+    assert argv[0] == "/usr/local/bin/twistd"
+    assert argv[1:4] == ["--nodaemon", "--pidfile=", "hostpid-broker"]
+    assert metrics_port(argv) is not None
+    assert unit_environment()[GATE] == "1"
+    assert unit_value("Restart") == "on-failure"
+    # The broker directory: root's, 0711, kept across stops so workloads' bind mounts of
+    # it stay valid.
+    assert unit_value("RuntimeDirectory") == "hami/hostpid"
+    assert unit_value("RuntimeDirectoryMode") == "0711"
+    assert unit_value("RuntimeDirectoryPreserve") == "yes"
+    assert int(unit_value("LimitNOFILE")) > 2 * defaults.MAX_CONNECTIONS
+    # Root, with nothing root brings.
+    assert unit_value("CapabilityBoundingSet") == ""
+    assert unit_value("NoNewPrivileges") == "yes"
+    assert unit_value("ProtectSystem") == "strict"
+    assert unit_value("MemoryDenyWriteExecute") == "yes"
+    assert set(unit_value("RestrictAddressFamilies").split()) == {"AF_UNIX", "AF_INET", "AF_INET6"}
+    # The broker must see host PIDs and be the host's root.
+    for forbidden in ("PrivatePIDs", "PrivateUsers", "User", "DynamicUser", "PrivateNetwork"):
+        assert unit_values(forbidden) == [], f"{forbidden}= must not be set"
+
+
+def verifiable_unit(tmp_path: Path) -> Path:
+    """
+    A copy of the unit whose ExecStart names an executable that exists here
+    (C{verify} checks it), the unit being otherwise byte for byte the same.
+    """
+    twistd = Path(sys.executable).parent / "twistd"
+    executable = str(twistd) if twistd.exists() else shutil.which("twistd") or sys.executable
+    copy_path = tmp_path / UNIT.name
+    text = UNIT.read_text()
+    assert text.count("ExecStart=/usr/local/bin/twistd ") == 1
+    copy_path.write_text(
+        text.replace("ExecStart=/usr/local/bin/twistd ", f"ExecStart={executable} ")
+    )
+    return copy_path
+
+
+def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    analyze = require_tool("systemd-analyze")
+    result = subprocess.run(
+        [analyze, "verify", str(verifiable_unit(tmp_path))],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout + result.stderr == "", "no warning either (unknown keys are warnings)"
+
+
+def test_unit_security_exposure_is_low(tmp_path: Path) -> None:
+    """C{systemd-analyze security} rates exposure 0-10; require 2.0 or less ("OK")."""
+    analyze = require_tool("systemd-analyze")
+    result = subprocess.run(
+        [analyze, "security", "--offline=yes", "--threshold=20", "--no-pager",
+         str(verifiable_unit(tmp_path))],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_unit_command_runs_as_the_unit_restricts_it(tmp_path: Path) -> None:
+    """
+    The unit's ExecStart and Environment=, with systemd's part played by hand:
+    root with an empty capability bounding set, no_new_privs, no W+X memory,
+    umask 077 and a real NOTIFY_SOCKET.  READY=1 arrives once it serves, the
+    files have the modes clients require, the metrics count the transaction,
+    and SIGTERM brings STOPPING=1 and status 143 (SuccessExitStatus=).
+    """
+    prefix = restricted_prefix()
+    if mdwe_supported():
+        refused = subprocess.run(
+            [*prefix, sys.executable, "-c",
+             "import mmap; mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE"
+             " | mmap.PROT_EXEC)"],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert "PermissionError" in refused.stderr, "the W+X restriction is in force"
+
+    port = free_tcp_port()
+    argv = with_metrics_port(shlex.split(unit_value("ExecStart")), port)
+    directory = tmp_path / "run" / "hami" / "hostpid"
+    notify = tmp_path / "notify"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as systemd:
+        systemd.bind(str(notify))
+        systemd.settimeout(30)
+        env = subprocess_env(unit_environment(), NOTIFY_SOCKET=str(notify))
+        command = [*prefix, *from_working_tree([*argv, "--directory", str(directory)])]
+        with running(command, env) as broker:
+            assert systemd.recv(256) == b"READY=1", broker.output()
+            assert broker.status_field("CapEff") == "0" * 16
+            assert broker.status_field("NoNewPrivs") == "1"
+            assert ask_pid(directory / "broker.sock") == os.getpid(), "ready means serving"
+            assert_broker_files(directory)
+            counted = 'hostpid_broker_transactions_total{outcome="ok"} 1.0'
+            wait_for(lambda: counted in http_get(port, "/metrics")[1], "the metric")
+            assert http_get(port, "/readyz")[0] == 200
+            broker.process.send_signal(signal.SIGTERM)
+            assert systemd.recv(256) == b"STOPPING=1"
+            assert broker.process.wait(30) == -signal.SIGTERM, broker.output()
