@@ -140,7 +140,9 @@ class PeerIdentifier:
         @raise PeerGone: the connecting process is no longer there.
         """
         try:
-            pid = peer_credentials(sock).pid
+            pid = _UCRED.unpack(
+                sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+            )[0]
         except OSError as e:
             raise PeerCredentialsFailed(e.strerror) from None
         if pid <= 0:

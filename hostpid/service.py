@@ -32,6 +32,7 @@ from twisted.python.failure import Failure
 from hostpid import defaults, fsrules
 from hostpid.gate import GATE_ENV, gate_enabled
 from hostpid.pidns import OVERRIDE_OPTION, PROC_PID_INIT_INO, check_host_pid_namespace
+from hostpid.peercred import PeerIdentifier
 from hostpid.port import BrokerPort
 from hostpid.server import BrokerFactory
 
@@ -129,6 +130,7 @@ class BrokerService(Service):
         onFatal: Callable[[], None] | None = None,
         watchInterval: float = WATCH_INTERVAL,
         allowNonHostPidNamespace: bool = False,
+        identifier: PeerIdentifier | None = None,
     ) -> None:
         if reactor is None:
             from twisted.internet import reactor as _reactor
@@ -143,6 +145,7 @@ class BrokerService(Service):
         self.onFatal = onFatal if onFatal is not None else lambda: exit_process(reactor)
         self.watchInterval = watchInterval
         self.allowNonHostPidNamespace = allowNonHostPidNamespace
+        self.identifier = identifier
         self.factory: BrokerFactory | None = None
         self.port: BrokerPort | None = None
         self.failed = False
@@ -205,7 +208,9 @@ class BrokerService(Service):
         state = fsrules.clear_socket_path(self._directoryFd, self.directory, expectedUid)
         if state is fsrules.SocketPathState.STALE_REMOVED:
             self.log.info("hostpid-broker: stale socket removed: {path}", path=self.socketPath)
-        self.factory = BrokerFactory(self.reactor, self.deadline, self.maxConnections)
+        self.factory = BrokerFactory(
+            self.reactor, self.deadline, self.maxConnections, self.identifier
+        )
         self.port = BrokerPort(
             self.socketPath,
             self._directoryFd,
