@@ -31,8 +31,8 @@ from twisted.python.failure import Failure
 
 from hostpid import defaults, fsrules
 from hostpid.gate import GATE_ENV, gate_enabled
-from hostpid.pidns import OVERRIDE_OPTION, PROC_PID_INIT_INO, check_host_pid_namespace
 from hostpid.peercred import PeerIdentifier
+from hostpid.pidns import OVERRIDE_OPTION, PROC_PID_INIT_INO, check_host_pid_namespace
 from hostpid.port import BrokerPort
 from hostpid.server import BrokerFactory
 
