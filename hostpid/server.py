@@ -27,7 +27,12 @@ import socket
 from collections.abc import Callable
 
 import attrs
-from twisted.internet.interfaces import IAddress, IHalfCloseableProtocol, IReactorTime
+from twisted.internet.interfaces import (
+    IAddress,
+    IDelayedCall,
+    IHalfCloseableProtocol,
+    IReactorTime,
+)
 from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -131,7 +136,7 @@ class BrokerProtocol(Protocol):
         self.factory = factory
         self._buffer = b""
         self._finished = False
-        self._deadline: object = None
+        self._deadline: IDelayedCall | None = None
         self._started = 0.0
 
     def connectionMade(self) -> None:
@@ -178,8 +183,8 @@ class BrokerProtocol(Protocol):
 
     def connectionLost(self, reason: Failure | None = None) -> None:
         deadline, self._deadline = self._deadline, None
-        if deadline is not None and deadline.active():  # type: ignore[attr-defined]
-            deadline.cancel()  # type: ignore[attr-defined]
+        if deadline is not None and deadline.active():
+            deadline.cancel()
         if not self._finished:
             self._finish(Outcome.SHORT)
         self.factory.transactionEnded()
