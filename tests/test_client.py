@@ -42,7 +42,7 @@ from support import (
     subprocess_env,
 )
 
-from hostpid import cli, client, defaults, wire
+from hostpid import cli, client, defaults, txclient, wire
 
 ENABLED = {"LIBVGPU_HOSTPID_BROKER": "1"}
 
@@ -624,8 +624,8 @@ class TestTwisted:
     @pytest_twisted.ensureDeferred
     async def test_real_broker(self, real_broker: BrokerProcess, clean_reactor: None) -> None:
         policy = relaxed(real_broker.directory)
-        assert await client.query_host_pid_deferred(policy, ENABLED) == os.getpid()
-        assert await client.lookup_host_pid_deferred(policy, ENABLED) == os.getpid()
+        assert await txclient.query_host_pid_deferred(policy, ENABLED) == os.getpid()
+        assert await txclient.lookup_host_pid_deferred(policy, ENABLED) == os.getpid()
 
     @pytest_twisted.ensureDeferred
     @pytest.mark.parametrize(
@@ -649,7 +649,7 @@ class TestTwisted:
         observed: str | None,
     ) -> None:
         with fake_broker(directory, reply) as broker:
-            deferred = client.query_host_pid_deferred(relaxed(directory), ENABLED)
+            deferred = txclient.query_host_pid_deferred(relaxed(directory), ENABLED)
             if check is None:
                 assert await deferred == 4242
             else:
@@ -657,7 +657,7 @@ class TestTwisted:
                     await deferred
                 assert caught.value.check == check
                 assert observed is not None and observed in caught.value.observed
-                lookup = client.lookup_host_pid_deferred(relaxed(directory), ENABLED)
+                lookup = txclient.lookup_host_pid_deferred(relaxed(directory), ENABLED)
                 assert await lookup is None
             assert broker.requests[0] == wire.GET_HOST_PID_REQUEST
 
@@ -672,7 +672,7 @@ class TestTwisted:
                 (ENABLED, relaxed(tmp_path / "absent"), "directory"),
             ]:
                 with pytest.raises(client.HostPidUnavailable) as caught:
-                    await client.query_host_pid_deferred(policy, environ)
+                    await txclient.query_host_pid_deferred(policy, environ)
                 assert caught.value.check == check
             assert broker.connections == 0
 
@@ -681,7 +681,7 @@ class TestTwisted:
         with fake_broker(directory, trickle=0.1):
             started = time.monotonic()
             with pytest.raises(client.HostPidUnavailable) as caught:
-                await client.query_host_pid_deferred(relaxed(directory), ENABLED)
+                await txclient.query_host_pid_deferred(relaxed(directory), ENABLED)
             elapsed = time.monotonic() - started
         assert caught.value.check == "deadline"
         assert "waiting for the reply" in caught.value.observed
@@ -695,7 +695,7 @@ class TestTwisted:
 
         clock = Clock()
         with fake_broker(directory, hold=True) as broker:
-            deferred = client.query_host_pid_deferred(relaxed(directory), ENABLED, clock=clock)
+            deferred = txclient.query_host_pid_deferred(relaxed(directory), ENABLED, clock=clock)
             await reactor_turns_until(lambda: broker.requests, "the request to arrive")
             clock.advance(0.499)
             assert not deferred.called
@@ -716,7 +716,7 @@ class TestTwisted:
         with FakeBroker(directory / "broker.sock", backlog=0, accept=False) as broker:
             held = fill_accept_queue(broker.path)
             try:
-                deferred = client.query_host_pid_deferred(
+                deferred = txclient.query_host_pid_deferred(
                     relaxed(directory), ENABLED, clock=clock
                 )
                 # Retries at 1, 2, 4, 8, 10, 10 ms...: still queued, no answer.
@@ -757,13 +757,13 @@ class TestTwisted:
         broker_dir = other_uid_tmp / "broker"
         with running_broker(broker_dir, argv_prefix=as_other_uid_argv()):
             with pytest.raises(client.HostPidUnavailable) as caught:
-                await client.query_host_pid_deferred(
+                await txclient.query_host_pid_deferred(
                     relaxed(broker_dir, "directory", "socket"), ENABLED
                 )
             assert caught.value.check == "peer-uid"
             assert "uid 1000" in caught.value.observed
             trusted = relaxed(broker_dir, trusted_uid=OTHER_UID)
-            assert await client.query_host_pid_deferred(trusted, ENABLED) == os.getpid()
+            assert await txclient.query_host_pid_deferred(trusted, ENABLED) == os.getpid()
 
     @pytest_twisted.ensureDeferred
     async def test_cancel(self, directory: Path, clean_reactor: None) -> None:
@@ -772,7 +772,7 @@ class TestTwisted:
         from twisted.internet.task import deferLater
 
         with fake_broker(directory, hold=True) as broker:
-            deferred = client.query_host_pid_deferred(relaxed(directory), ENABLED)
+            deferred = txclient.query_host_pid_deferred(relaxed(directory), ENABLED)
             await reactor_turns_until(lambda: broker.requests, "the request to arrive")
             deferred.cancel()
             with pytest.raises(CancelledError):

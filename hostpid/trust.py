@@ -1,0 +1,402 @@
+"""
+The client's trust policy: which checks decide whether a broker's answer can
+be trusted, and the checks themselves, as plain functions over what the
+kernel reports.  Both client transports (L{hostpid.client}, blocking, and
+L{hostpid.txclient}, Twisted) apply exactly these.
+
+The checks, in order, each failing under a stable name:
+
+  1. C{gate}: C{LIBVGPU_HOSTPID_BROKER} is exactly C{"1"};
+  2. C{directory}: the socket's directory is a real directory (not followed
+     if it is a symlink), owned by the trusted UID, with no group or other
+     write bit;
+  3. C{socket}: the socket path is a socket (not followed if it is a symlink)
+     owned by the trusted UID;
+  4. C{read-only-mount}: the directory is on a read-only mount;
+  5. C{peer-uid}: after connecting, the kernel's C{SO_PEERCRED} says the
+     listener runs as the trusted UID (checked before a byte is sent);
+  6. C{reply}: magic C{HPID}, version 1, status 0, a PID in 1..2**31-1.
+
+Two transport stages can also fail a query, and no caller can turn them off:
+C{connect} (the kernel refused the connection) and C{deadline} (one monotonic
+deadline over connect, write and read passed).
+
+The filesystem checks run on one C{O_PATH} descriptor of the directory, and
+the connection goes through that descriptor (C{/proc/self/fd/N/broker.sock})
+when procfs confirms it names the same directory, so the directory that was
+checked is the directory that is connected to.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import stat
+from collections.abc import Iterable, Mapping
+
+import attrs
+
+from hostpid import defaults, gate, wire
+from hostpid.peercred import PeerCredentials
+
+GATE = "gate"
+DIRECTORY = "directory"
+SOCKET = "socket"
+READ_ONLY_MOUNT = "read-only-mount"
+CONNECT = "connect"
+PEER_UID = "peer-uid"
+REPLY = "reply"
+DEADLINE = "deadline"
+
+#: The trust checks, in the order every client applies them.
+CHECKS: tuple[str, ...] = (GATE, DIRECTORY, SOCKET, READ_ONLY_MOUNT, PEER_UID, REPLY)
+
+#: The checks a caller may turn off by name.  The gate is the operator's
+#: switch and the reply is what makes an answer an answer: neither can be
+#: turned off, nor can the transport stages (C{connect}, C{deadline}).
+OPTIONAL_CHECKS: frozenset[str] = frozenset({DIRECTORY, SOCKET, READ_ONLY_MOUNT, PEER_UID})
+
+#: What L{doctor} reports, one result each, in this order.
+DOCTOR_CHECKS: tuple[str, ...] = (
+    GATE, DIRECTORY, SOCKET, READ_ONLY_MOUNT, CONNECT, PEER_UID, REPLY
+)
+
+#: The longest C{sun_path} Linux accepts, terminating NUL excluded.
+_SUN_PATH_MAX = 107
+
+
+
+class HostPidUnavailable(Exception):
+    """
+    The broker's answer cannot be had or cannot be trusted.
+
+    @ivar check: the name of the check or stage that failed (one of
+        L{CHECKS}, L{CONNECT} or L{DEADLINE}).
+    @ivar observed: what the client saw, for a log line or an operator.
+    """
+
+    def __init__(self, check: str, observed: str) -> None:
+        super().__init__(check, observed)
+        self.check = check
+        self.observed = observed
+
+    def __str__(self) -> str:
+        return f"{self.check}: {self.observed}"
+
+
+@attrs.frozen
+class CheckResult:
+    """One check's verdict: its C{name}, whether it passed, what was seen."""
+
+    name: str
+    ok: bool
+    observed: str
+
+
+def _positive_finite(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{attribute.name} must be a positive number of seconds, got {value!r}")
+
+
+def _optional_checks(
+    instance: object, attribute: attrs.Attribute[frozenset[str]], value: frozenset[str]
+) -> None:
+    for name in sorted(value):
+        if name in OPTIONAL_CHECKS:
+            continue
+        if name in CHECKS or name in (CONNECT, DEADLINE):
+            raise ValueError(f"the {name!r} check cannot be turned off")
+        raise ValueError(
+            f"unknown check {name!r}; checks that can be turned off: "
+            + ", ".join(sorted(OPTIONAL_CHECKS))
+        )
+
+
+def _names(value: Iterable[str]) -> frozenset[str]:
+    if isinstance(value, str):
+        raise TypeError("turned_off takes check names, not one string")
+    return frozenset(value)
+
+
+@attrs.frozen
+class TrustPolicy:
+    """
+    Where the broker is and what makes its answer trustworthy.
+
+    The defaults are the production rules; a test or an unusual node points
+    the client elsewhere with C{socket_path} and turns a check off only by
+    naming it (L{without}), so that a relaxed policy always says what it
+    relaxed.
+
+    @ivar socket_path: the broker's socket.
+    @ivar trusted_uid: the UID that must own the directory and the socket and
+        run the listener.
+    @ivar deadline: seconds for connect, write and read together.
+    @ivar turned_off: names from L{OPTIONAL_CHECKS} that are not enforced.
+    """
+
+    socket_path: str = attrs.field(default=defaults.CLIENT_SOCKET, converter=os.fspath)
+    trusted_uid: int = 0
+    deadline: float = attrs.field(default=defaults.DEADLINE, validator=_positive_finite)
+    turned_off: frozenset[str] = attrs.field(
+        default=frozenset(), converter=_names, validator=_optional_checks
+    )
+
+    def without(self, *checks: str) -> TrustPolicy:
+        """
+        This policy with C{checks} turned off.
+
+        @raise ValueError: a name is unknown or names a check that cannot be
+            turned off.
+        """
+        return attrs.evolve(self, turned_off=self.turned_off.union(checks))
+
+    def enforces(self, check: str) -> bool:
+        return check not in self.turned_off
+
+    def require(self, result: CheckResult) -> None:
+        """
+        Raise for C{result} if it failed and its check is enforced.
+
+        @raise HostPidUnavailable: it did.
+        """
+        if not result.ok and self.enforces(result.name):
+            raise HostPidUnavailable(result.name, result.observed)
+
+
+#: The production policy.
+STRICT = TrustPolicy()
+
+
+# --- What the checks look at: plain functions over what the kernel says. ---
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISSOCK, "socket"),
+        (stat.S_ISLNK, "symlink"),
+        (stat.S_ISREG, "regular file"),
+        (stat.S_ISDIR, "directory"),
+        (stat.S_ISFIFO, "fifo"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+    ):
+        if test(mode):
+            return name
+    return "unknown file type"
+
+
+def os_error_text(error: OSError) -> str:
+    """An OSError as C{ENAME (strerror)}: short, greppable, and stable."""
+    name = errno.errorcode.get(error.errno or 0, str(error.errno))
+    return f"{name} ({os.strerror(error.errno)})" if error.errno else str(error)
+
+
+def _describe(info: os.stat_result) -> str:
+    return f"{_kind(info.st_mode)}, uid {info.st_uid}, mode {stat.S_IMODE(info.st_mode):04o}"
+
+
+def check_gate(environ: Mapping[str, str] | None = None) -> CheckResult:
+    """The gate, judged by the one rule in L{hostpid.gate}."""
+    if environ is None:
+        environ = os.environ
+    value = environ.get(gate.GATE_ENV)
+    observed = f"{gate.GATE_ENV} unset" if value is None else f"{gate.GATE_ENV}={value!r}"
+    return CheckResult(GATE, gate.gate_enabled(environ), observed)
+
+
+def check_directory(info: os.stat_result | OSError, trusted_uid: int) -> CheckResult:
+    """
+    Judge the directory from its C{lstat}: a symlink is not followed, since
+    whoever controls its target would control the answer.
+    """
+    if isinstance(info, OSError):
+        return CheckResult(DIRECTORY, False, f"cannot open: {os_error_text(info)}")
+    described = _describe(info)
+    if not stat.S_ISDIR(info.st_mode):
+        return CheckResult(DIRECTORY, False, f"{described}: not a real directory")
+    if info.st_uid != trusted_uid:
+        return CheckResult(DIRECTORY, False, f"{described}: owner is not uid {trusted_uid}")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return CheckResult(DIRECTORY, False, f"{described}: group or other may write")
+    return CheckResult(DIRECTORY, True, described)
+
+
+def check_socket(info: os.stat_result | OSError, trusted_uid: int) -> CheckResult:
+    """Judge the socket path from its C{lstat}: a socket owned by the trusted UID."""
+    if isinstance(info, OSError):
+        return CheckResult(SOCKET, False, f"cannot lstat: {os_error_text(info)}")
+    described = _describe(info)
+    if not stat.S_ISSOCK(info.st_mode):
+        return CheckResult(SOCKET, False, f"{described}: not a socket")
+    if info.st_uid != trusted_uid:
+        return CheckResult(SOCKET, False, f"{described}: owner is not uid {trusted_uid}")
+    return CheckResult(SOCKET, True, described)
+
+
+def check_read_only(info: os.statvfs_result | OSError) -> CheckResult:
+    """
+    Judge the directory's mount: read-only, so that nobody in the workload,
+    root included, can put another socket in the broker's place.
+    """
+    if isinstance(info, OSError):
+        return CheckResult(READ_ONLY_MOUNT, False, f"cannot statvfs: {os_error_text(info)}")
+    if info.f_flag & os.ST_RDONLY:
+        return CheckResult(READ_ONLY_MOUNT, True, "read-only")
+    return CheckResult(READ_ONLY_MOUNT, False, "read-write mount")
+
+
+def check_peer(credentials: PeerCredentials | OSError, trusted_uid: int) -> CheckResult:
+    """Judge the listener's credentials, as the kernel recorded them at C{listen()}."""
+    if isinstance(credentials, OSError):
+        return CheckResult(
+            PEER_UID, False, f"cannot read SO_PEERCRED: {os_error_text(credentials)}"
+        )
+    observed = f"uid {credentials.uid} (pid {credentials.pid})"
+    if credentials.uid != trusted_uid:
+        return CheckResult(PEER_UID, False, f"{observed}: not uid {trusted_uid}")
+    return CheckResult(PEER_UID, True, observed)
+
+
+def check_reply(data: bytes) -> CheckResult:
+    """
+    Judge a reply: all twelve bytes, magic, version, status, then the PID,
+    in the order HAMi-core checks them.
+    """
+    if len(data) != wire.RESPONSE_SIZE:
+        return CheckResult(
+            REPLY, False, f"cut short: {len(data)} of {wire.RESPONSE_SIZE} bytes"
+        )
+    response = wire.parse_response(data)
+    if response.magic != wire.MAGIC:
+        return CheckResult(REPLY, False, f"bad magic {response.magic!r}")
+    if response.version != wire.VERSION:
+        return CheckResult(REPLY, False, f"bad version {response.version}")
+    if response.status != wire.Status.OK:
+        return CheckResult(REPLY, False, f"status {response.status}, not 0")
+    if not 1 <= response.pid <= wire.PID_MAX:
+        return CheckResult(REPLY, False, f"PID {response.pid} outside 1..{wire.PID_MAX}")
+    return CheckResult(REPLY, True, f"host PID {response.pid}")
+
+
+def host_pid_from_reply(data: bytes) -> int:
+    """
+    The PID in a reply that passes L{check_reply}.
+
+    @raise HostPidUnavailable: it does not.
+    """
+    result = check_reply(data)
+    if not result.ok:
+        raise HostPidUnavailable(REPLY, result.observed)
+    return wire.parse_response(data).pid
+
+
+@attrs.define
+class Layout:
+    """
+    What the filesystem checks saw, and an open C{O_PATH} descriptor of the
+    directory they saw it in (C{None} when it could not be opened).
+
+    Connect to L{address} and then L{close}: the descriptor is what ties the
+    connection to the directory that was checked.
+    """
+
+    socket_path: str
+    results: tuple[CheckResult, ...]
+    directory_fd: int | None
+    connectable: bool
+
+    def address(self) -> str:
+        """
+        The path to connect to: through the checked directory's descriptor
+        when procfs confirms it names that directory, else the socket path.
+        """
+        fd = self.directory_fd
+        if fd is None:
+            return self.socket_path
+        name = os.path.basename(self.socket_path)
+        via = f"/proc/self/fd/{fd}/{name}"
+        if len(os.fsencode(via)) > _SUN_PATH_MAX:
+            return self.socket_path
+        try:
+            seen, held = os.stat(f"/proc/self/fd/{fd}"), os.fstat(fd)
+        except OSError:
+            return self.socket_path
+        if (seen.st_dev, seen.st_ino) != (held.st_dev, held.st_ino):
+            return self.socket_path
+        return via
+
+    def close(self) -> None:
+        if self.directory_fd is not None:
+            os.close(self.directory_fd)
+            self.directory_fd = None
+
+
+def _open_path(path: str, follow: bool) -> int:
+    flags = os.O_PATH | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    return os.open(path, flags)
+
+
+def inspect_layout(policy: TrustPolicy) -> Layout:
+    """
+    Run the filesystem checks (C{directory}, C{socket}, C{read-only-mount})
+    and return all three verdicts; enforcing them is the caller's business,
+    so that L{doctor} can report every one.
+
+    The directory is opened once without following a symlink and judged from
+    C{fstat} of that descriptor (an C{lstat} that cannot race); if it turns
+    out to be a symlink the later checks still look through it, so that an
+    operator sees everything that is wrong at once.
+    """
+    directory, name = os.path.split(policy.socket_path)
+    directory = directory or "."
+    fd: int | None = None
+    try:
+        fd = _open_path(directory, follow=False)
+        directory_info: os.stat_result | OSError = os.fstat(fd)
+    except OSError as error:
+        directory_info = error
+    if fd is not None and isinstance(directory_info, os.stat_result):
+        if not stat.S_ISDIR(directory_info.st_mode):
+            os.close(fd)
+            fd = None
+            if stat.S_ISLNK(directory_info.st_mode):
+                try:
+                    fd = _open_path(directory, follow=True)
+                except OSError:
+                    fd = None
+    directory_result = check_directory(directory_info, policy.trusted_uid)
+    if fd is None:
+        unseen = "not checked: the directory cannot be opened"
+        return Layout(
+            socket_path=policy.socket_path,
+            results=(
+                directory_result,
+                CheckResult(SOCKET, False, unseen),
+                CheckResult(READ_ONLY_MOUNT, False, unseen),
+            ),
+            directory_fd=None,
+            connectable=False,
+        )
+    try:
+        socket_info: os.stat_result | OSError = os.stat(name, dir_fd=fd, follow_symlinks=False)
+    except OSError as error:
+        socket_info = error
+    try:
+        mount_info: os.statvfs_result | OSError = os.fstatvfs(fd)
+    except OSError as error:
+        mount_info = error
+    connectable = isinstance(socket_info, os.stat_result) and stat.S_ISSOCK(socket_info.st_mode)
+    return Layout(
+        socket_path=policy.socket_path,
+        results=(
+            directory_result,
+            check_socket(socket_info, policy.trusted_uid),
+            check_read_only(mount_info),
+        ),
+        directory_fd=fd,
+        connectable=connectable,
+    )
+
+
