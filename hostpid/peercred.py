@@ -15,6 +15,7 @@ answers only when both agree.
 
 from __future__ import annotations
 
+import _socket
 import errno
 import fcntl
 import os
@@ -58,7 +59,7 @@ def peer_credentials(sock: socket.socket) -> PeerCredentials:
     return PeerCredentials(*_UCRED.unpack(raw))
 
 
-def peer_pidfd(sock: socket.socket) -> int:
+def peer_pidfd(sock: _socket.socket) -> int:
     """
     A new pidfd for the process that connected C{sock}; the caller closes it.
 
@@ -129,12 +130,12 @@ class PeerIdentifier:
     def __init__(
         self,
         usePidfd: bool = True,
-        peerPidfd: Callable[[socket.socket], int] = peer_pidfd,
+        peerPidfd: Callable[[_socket.socket], int] = peer_pidfd,
     ) -> None:
         self.pidfdSupported: bool | None = None if usePidfd else False
         self._peerPidfd = peerPidfd
 
-    def host_pid(self, sock: socket.socket) -> int:
+    def host_pid(self, sock: _socket.socket) -> int:
         """
         @raise PeerCredentialsFailed: no credentials, or PID not positive.
         @raise PeerGone: the connecting process is no longer there.

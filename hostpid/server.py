@@ -21,6 +21,7 @@ Three pieces, from the inside out:
 
 from __future__ import annotations
 
+import _socket
 import bisect
 import enum
 import socket
@@ -42,16 +43,37 @@ from hostpid import defaults, wire
 from hostpid.peercred import PeerGone, PeerIdentifier, PeerUnverified
 
 
-class Outcome(enum.Enum):
-    """How a transaction ended.  Metric labels use the values."""
+class Outcome(enum.IntEnum):
+    """
+    How a transaction ended; L{label} names it in metrics and logs.
 
-    OK = "ok"
-    INVALID = "invalid"
-    SHORT = "short"
-    DEADLINE = "deadline"
-    OVER_LIMIT = "over_limit"
-    PEER_CREDENTIALS = "peer_credentials_failed"
-    PEER_GONE = "peer_gone"
+    An C{IntEnum}, not a plain C{Enum}: every transaction counts its outcome,
+    and an C{IntEnum} member indexes a list and hashes in C, where a plain
+    member's hash is a Python call.
+    """
+
+    OK = 0
+    INVALID = 1
+    SHORT = 2
+    DEADLINE = 3
+    OVER_LIMIT = 4
+    PEER_CREDENTIALS = 5
+    PEER_GONE = 6
+
+    @property
+    def label(self) -> str:
+        return _LABELS[self]
+
+
+_LABELS = {
+    Outcome.OK: "ok",
+    Outcome.INVALID: "invalid",
+    Outcome.SHORT: "short",
+    Outcome.DEADLINE: "deadline",
+    Outcome.OVER_LIMIT: "over_limit",
+    Outcome.PEER_CREDENTIALS: "peer_credentials_failed",
+    Outcome.PEER_GONE: "peer_gone",
+}
 
 
 _FAST_READ = 256
@@ -59,10 +81,6 @@ _FAST_READ = 256
 # them on every transaction costs more than the send itself.
 _RECV_FLAGS = int(socket.MSG_DONTWAIT)
 _SEND_FLAGS = int(socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
-
-#: Outcomes that are a client's or the kernel's failure, logged rate-limited.
-FAILURES = frozenset(Outcome) - {Outcome.OK}
-
 
 #: Upper bounds (seconds) of the transaction latency histogram's buckets.
 LATENCY_BUCKETS = (
@@ -90,7 +108,7 @@ class LatencyHistogram:
 
 
 def answer(
-    request: bytes, sock: socket.socket, identifier: PeerIdentifier
+    request: bytes, sock: _socket.socket, identifier: PeerIdentifier
 ) -> tuple[Outcome, bytes | None]:
     """
     Decide the reply to C{request} (exactly 8 bytes) arriving on C{sock}.
@@ -215,7 +233,8 @@ class BrokerFactory(Factory):
         self.deadline = deadline
         self.maxConnections = maxConnections
         self.active = 0
-        self.counts: dict[Outcome, int] = dict.fromkeys(Outcome, 0)
+        #: Finished transactions, indexed by L{Outcome}.
+        self.counts: list[int] = [0] * len(Outcome)
         self.latency = LatencyHistogram()
         self._idle: list[Callable[[], None]] = []
 
@@ -247,16 +266,17 @@ class BrokerFactory(Factory):
         """
         count = self.counts[outcome] + 1
         self.counts[outcome] = count
-        if outcome is Outcome.OK and started is not None:
-            self.latency.observe(self.clock.seconds() - started)
-        elif outcome in FAILURES and count & (count - 1) == 0:
+        if outcome is Outcome.OK:
+            if started is not None:
+                self.latency.observe(self.clock.seconds() - started)
+        elif count & (count - 1) == 0:
             self.log.warn(
                 "hostpid-broker: {outcome} transactions so far: {count}",
-                outcome=outcome.value,
+                outcome=outcome.label,
                 count=count,
             )
 
-    def answerWaiting(self, sock: socket.socket) -> bytes | None:
+    def answerWaiting(self, sock: _socket.socket) -> bytes | None:
         """
         The fast path, for a connection just accepted.
 

@@ -47,7 +47,7 @@ class BrokerCollector:
         )
         for outcome in Outcome:
             count = factory.counts[outcome] if factory is not None else 0
-            transactions.add_metric([outcome.value], count)
+            transactions.add_metric([outcome.label], count)
         yield transactions
 
         latency = HistogramMetricFamily(

@@ -28,14 +28,15 @@ class ScriptedListener:
         self.errors: list[int] = []
         self.clients: list[socket.socket] = []
 
-    def accept(self) -> tuple[socket.socket, str]:
+    def _accept(self) -> tuple[int, str]:
+        """What the broker calls: the C-level accept, returning a descriptor."""
         if self.errors:
             code = self.errors.pop(0)
             if code == 0:  # a real connection, its request already waiting
                 server, client = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
                 client.sendall(wire.GET_HOST_PID_REQUEST)
                 self.clients.append(client)
-                return server, ""
+                return server.detach(), ""
             raise OSError(code, os.strerror(code))
         raise BlockingIOError(errno.EAGAIN, "nothing waiting")
 
