@@ -1,0 +1,302 @@
+"""
+What C{bench/run} and C{bench/soak} share: building the load generator,
+starting a server under test in its own process, and reading its CPU time,
+memory and descriptors from C{/proc}.
+
+Standard library only, and nothing from C{hostpid}: the bench measures
+whatever server it is given, so it must not depend on the code it measures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shlex
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+LOADGEN_SOURCE = BENCH / "loadgen.c"
+
+#: The one request of protocol version 1 ("HPID", version 1, command 1).
+REQUEST = b"HPID\x00\x01\x00\x01"
+RESPONSE = struct.Struct("!4sHHI")
+
+#: Descriptors a server or generator may need: 5000 silent clients and more.
+NOFILE_WANTED = 65536
+
+#: The project's broker, from this working tree.  Placeholders are filled by
+#: L{ServerProcess}; C{{python}} is this interpreter, so a venv run measures
+#: the venv's Twisted.
+HOSTPID_COMMAND = (
+    "{python} -c 'from twisted.scripts.twistd import run; run()' --nodaemon --pidfile= "
+    "hostpid-broker --directory {dir} --max-connections {max_connections} --deadline {deadline}"
+)
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def build_loadgen(out_dir: Path) -> Path:
+    """
+    Compile C{bench/loadgen.c} with the system compiler (C{$CC}, default
+    C{cc}).  C: a Python generator would cost more CPU per transaction than
+    the server it measures.
+    """
+    compiler = os.environ.get("CC", "cc")
+    if shutil.which(compiler) is None:
+        raise SystemExit(
+            f"bench: no C compiler {compiler!r} on PATH (install gcc, or set CC); "
+            "the load generator is C so that it is never the bottleneck"
+        )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    binary = out_dir / "loadgen"
+    subprocess.run(
+        [compiler, "-O2", "-Wall", "-o", str(binary), str(LOADGEN_SOURCE), "-lm"], check=True
+    )
+    return binary
+
+
+def raise_nofile(want: int = NOFILE_WANTED) -> None:
+    """
+    Raise this process's RLIMIT_NOFILE soft limit towards C{want} (and the hard
+    limit too when privileged).  Used as a C{preexec_fn}, so the server and the
+    generator get room for thousands of connections whatever C{ulimit -n} says.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, want))
+            return
+        except (ValueError, OSError):
+            pass
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return
+    resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
+def child_setup(cpu: int | None) -> Callable[[], None]:
+    """A C{preexec_fn}: raise the descriptor limit and pin to C{cpu} if given."""
+
+    def setup() -> None:
+        raise_nofile()
+        if cpu is not None:
+            os.sched_setaffinity(0, {cpu})
+
+    return setup
+
+
+def cpu_plan(server_cpu: int | None = None, load_cpu: int | None = None) -> tuple[
+    int | None, int | None
+]:
+    """
+    Server on one CPU and load on another, where there are two: the server's
+    figures must not depend on how busy the generator keeps the other core.
+    On one CPU nothing is pinned.
+    """
+    available = sorted(os.sched_getaffinity(0))
+    if server_cpu is not None or load_cpu is not None:
+        return server_cpu, load_cpu
+    if len(available) >= 2:
+        return available[0], available[1]
+    return None, None
+
+
+def exchange(path: str, timeout: float = 2.0) -> bytes:
+    """One request on a fresh connection; everything the server sent until EOF."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        sock.connect(path)
+        sock.sendall(REQUEST)
+        data = b""
+        while len(data) < 64:
+            chunk = sock.recv(64)
+            if not chunk:
+                break
+            data += chunk
+        return data
+
+
+def answers_own_pid(path: str, timeout: float = 2.0) -> bool:
+    try:
+        reply = exchange(path, timeout)
+    except OSError:
+        return False
+    if len(reply) != RESPONSE.size:
+        return False
+    magic, version, status, pid = RESPONSE.unpack(reply)
+    return (magic, version, status, pid) == (b"HPID", 1, 0, os.getpid())
+
+
+class ProcStats:
+    """The figures the bench reads about a running process, from C{/proc}."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def cpu_seconds(self) -> float:
+        """utime + stime of the whole process (every thread), in seconds."""
+        stat = Path(f"/proc/{self.pid}/stat").read_text()
+        # The command name is in parentheses and may hold spaces: split after it.
+        fields = stat[stat.rindex(")") + 2 :].split()
+        utime, stime = int(fields[11]), int(fields[12])
+        return (utime + stime) / CLOCK_TICKS
+
+    def status_kb(self, field: str) -> int:
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+        return 0
+
+    def vmhwm_kb(self) -> int:
+        """Peak resident set size so far."""
+        return self.status_kb("VmHWM")
+
+    def vmrss_kb(self) -> int:
+        return self.status_kb("VmRSS")
+
+    def nofile_limit(self) -> int | None:
+        """The soft RLIMIT_NOFILE the process actually runs with."""
+        for line in Path(f"/proc/{self.pid}/limits").read_text().splitlines():
+            if line.startswith("Max open files"):
+                soft = line.split()[3]
+                return None if soft == "unlimited" else int(soft)
+        return None
+
+    def fd_count(self) -> int:
+        return len(os.listdir(f"/proc/{self.pid}/fd"))
+
+
+class ServerProcess:
+    """
+    A server under test, started from a command line with placeholders:
+    C{{socket}}, C{{dir}}, C{{max_connections}}, C{{deadline}}, C{{python}}.
+
+    The command is split with shlex and run without a shell, so the PID we
+    hold is the server's own and C{/proc/PID} describes the server, not a
+    shell around it.  Output goes to a file: a chatty server can never block
+    on a full pipe.
+    """
+
+    def __init__(
+        self,
+        command: str,
+        *,
+        cpu: int | None,
+        max_connections: int,
+        deadline: float,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.directory = Path(tempfile.mkdtemp(prefix="hostpid-bench-"))
+        # The broker requires 0711 on its directory; other servers do not care.
+        os.chmod(self.directory, 0o711)
+        self.socket_path = str(self.directory / "broker.sock")
+        values = {
+            "socket": self.socket_path,
+            "dir": str(self.directory),
+            "max_connections": str(max_connections),
+            "deadline": f"{deadline:g}",
+            "python": shlex.quote(sys.executable),
+        }
+        self.argv = shlex.split(command.format(**values))
+        environment = dict(os.environ if env is None else env)
+        environment["LIBVGPU_HOSTPID_BROKER"] = "1"
+        environment["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(REPO), environment.get("PYTHONPATH", "")) if p
+        )
+        environment.pop("NOTIFY_SOCKET", None)
+        self.log_path = self.directory.with_suffix(".log")
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(
+            self.argv,
+            env=environment,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=child_setup(cpu),
+            cwd=tempfile.gettempdir(),
+        )
+        self.stats = ProcStats(self.process.pid)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def output(self, limit: int = 4000) -> str:
+        try:
+            return self.log_path.read_bytes()[-limit:].decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Until the server answers this process with its own PID."""
+        deadline = time.monotonic() + timeout
+        delay = 0.005
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(
+                    f"server exited {self.process.returncode} before answering: "
+                    f"{shlex.join(self.argv)}\n{self.output()}"
+                )
+            if answers_own_pid(self.socket_path):
+                return
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+        raise RuntimeError(
+            f"server not answering after {timeout}s: {shlex.join(self.argv)}\n{self.output()}"
+        )
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM, then SIGKILL if it will not go; the directory is removed."""
+        if self.alive():
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+        try:
+            self.log_path.unlink()
+        except OSError:
+            pass
+        return self.process.returncode
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def run_json(argv: Sequence[str], cpu: int | None, timeout: float) -> dict[str, object]:
+    """Run the load generator (pinned to C{cpu}) and parse its one JSON line."""
+    done = subprocess.run(
+        list(argv),
+        capture_output=True,
+        preexec_fn=child_setup(cpu),
+        timeout=timeout,
+        check=False,
+    )
+    lines = done.stdout.decode().strip().splitlines()
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(
+            f"load generator failed ({done.returncode}): {shlex.join(argv)}\n"
+            + done.stderr.decode(errors="replace")
+        )
+    result: dict[str, object] = json.loads(lines[-1])
+    return result
