@@ -80,7 +80,7 @@ class BrokerPort(unix.Port):
         factory: BrokerFactory,
         reactor: Any,
         onFatal: Callable[[Failure], None],
-        backlog: int = socket.SOMAXCONN,
+        backlog: int = defaults.LISTEN_BACKLOG,
         expectedUid: int | None = None,
     ) -> None:
         super().__init__(path.encode(), factory, backlog=backlog, reactor=reactor)

@@ -275,16 +275,25 @@ def open_fd_count(pid: int | str = "self") -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def _listener_queue(path: Path | str) -> tuple[int, int]:
+    ss = require_tool("ss")
+    out = subprocess.run(
+        [ss, "-xlnH", "src", os.fspath(path)], capture_output=True, text=True, check=True
+    ).stdout.split()
+    return (int(out[2]), int(out[3])) if len(out) > 3 else (0, 0)
+
+
 def listen_queue(path: Path | str) -> int:
     """
     Connections waiting in the accept queue of the listener at C{path}
     (the C{Recv-Q} that C{ss} reports for a listening Unix socket).
     """
-    ss = require_tool("ss")
-    out = subprocess.run(
-        [ss, "-xlnH", "src", os.fspath(path)], capture_output=True, text=True, check=True
-    ).stdout.split()
-    return int(out[2]) if len(out) > 2 else 0
+    return _listener_queue(path)[0]
+
+
+def listen_backlog(path: Path | str) -> int:
+    """The accept queue's capacity (C{ss}'s C{Send-Q} for a listener)."""
+    return _listener_queue(path)[1]
 
 
 def cpu_seconds(pid: int) -> float:

@@ -17,6 +17,7 @@ from support import (
     BrokerProcess,
     ask_pid,
     connect,
+    listen_backlog,
     require_root,
     running_broker,
     wait_for,
@@ -58,6 +59,12 @@ def test_modes_and_owners_after_start(directory: Path) -> None:
         assert mode(directory / "broker.lock") == 0o600
         for name in ("", "broker.sock", "broker.lock"):
             assert os.lstat(directory / name).st_uid == os.geteuid()
+
+
+def test_accept_queue_holds_a_burst_of_1024(directory: Path) -> None:
+    """See L{hostpid.defaults.LISTEN_BACKLOG} for why 1024 and not the kernel's maximum."""
+    with running_broker(directory) as broker:
+        assert listen_backlog(broker.socket_path) == 1024
 
 
 def test_existing_directory_mode_is_set_to_0711(directory: Path) -> None:
