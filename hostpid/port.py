@@ -92,6 +92,7 @@ class BrokerPort(unix.Port):
         self._expectedUid = os.geteuid() if expectedUid is None else expectedUid
         self.identity: SocketIdentity | None = None
         self._backoff = BACKOFF_INITIAL
+        self._acceptsPerTurn = 1
         self._resume: IDelayedCall | None = None
         self.resourceErrors = 0
 
@@ -138,13 +139,22 @@ class BrokerPort(unix.Port):
         an instance of the Python subclass for each one, which costs about
         2.5 us more per connection (measured), and under a flood the broker
         accepts every connection only to close most of them.
+
+        How many to accept this turn adapts, as Twisted's own port does: as
+        many as last turn found waiting, doubling while the queue does not
+        run dry.  The listener is level-triggered, so anything left is
+        accepted on the next turn; and a lone client is accepted without a
+        second C{accept} that fails with EAGAIN.
         """
         factory = self.factory
         accept = self.socket._accept  # type: ignore[union-attr]
-        for _ in range(ACCEPTS_PER_TURN):
+        turn = self._acceptsPerTurn
+        accepted = 0
+        for _ in range(turn):
             try:
                 fd, addr = accept()
             except BlockingIOError:
+                self._acceptsPerTurn = max(1, accepted)
                 return
             except OSError as e:
                 if e.errno in RESOURCE_ERRORS:
@@ -154,6 +164,7 @@ class BrokerPort(unix.Port):
                     continue
                 self._onFatal(Failure())
                 return
+            accepted += 1
             self._backoff = BACKOFF_INITIAL
             skt = _socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, 0, fd)
             prefix = factory.answerWaiting(skt)
@@ -169,6 +180,7 @@ class BrokerPort(unix.Port):
             protocol.makeConnection(transport)
             if prefix:
                 protocol.dataReceived(prefix)
+        self._acceptsPerTurn = min(turn * 2, ACCEPTS_PER_TURN)
 
     def _pauseAccepting(self, error: OSError) -> None:
         """
@@ -193,6 +205,13 @@ class BrokerPort(unix.Port):
         self._resume = None
         if self.connected and not self.disconnecting:
             self.startReading()
+
+    def logPrefix(self) -> str:
+        """
+        A constant: the reactor asks for it on every readiness event, and the
+        base class computes the factory's qualified name each time.
+        """
+        return "hostpid-broker"
 
     def _logConnectionLostMsg(self) -> None:
         """The service logs the lifecycle; nothing here."""

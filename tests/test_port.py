@@ -89,7 +89,8 @@ def test_backoff_doubles_to_one_second_and_resets(clock) -> None:
     assert len(events) == 4, "logged at the 1st, 2nd, 4th and 8th error only"
     # One successful accept, then the next resource error starts from 5 ms again.
     port.socket.errors = [0, errno.ENFILE]  # type: ignore[attr-defined]
-    port.doRead()
+    port.doRead()  # one accepted: the turn ends there
+    port.doRead()  # the next turn meets ENFILE
     [client] = port.socket.clients  # type: ignore[attr-defined]
     assert client.recv(64) == wire.encode_ok(os.getpid()), "answered on the fast path"
     [resume] = clock.getDelayedCalls()
@@ -115,6 +116,25 @@ def test_other_accept_errors_are_fatal(clock, code: int) -> None:
     port.doRead()
     assert len(fatal) == 1
     assert fatal[0].value.errno == code
+
+
+def test_accepts_per_turn_adapt_to_what_is_waiting(clock) -> None:
+    """One per turn for a lone client (no failing accept), doubling under load."""
+    port, _ = make_port(clock, [])
+    listener = port.socket
+    listener.errors = [0] * 10  # type: ignore[attr-defined]
+    turns = []
+    while listener.errors:  # type: ignore[attr-defined]
+        before = len(listener.errors)  # type: ignore[attr-defined]
+        port.doRead()
+        turns.append(before - len(listener.errors))  # type: ignore[attr-defined]
+    assert turns == [1, 2, 4, 3]
+    port.doRead()  # the queue is empty: EAGAIN, and back to one per turn
+    listener.errors = [0, 0]  # type: ignore[attr-defined]
+    port.doRead()
+    assert len(listener.errors) == 1  # type: ignore[attr-defined]
+    for client in listener.clients:  # type: ignore[attr-defined]
+        assert client.recv(64) == wire.encode_ok(os.getpid())
 
 
 def test_pending_resume_is_cancelled_when_the_port_closes(clock, tmp_path) -> None:
