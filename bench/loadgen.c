@@ -782,6 +782,21 @@ struct idle_conn {
     int ever_connected;
 };
 
+/* An event on idle slot i: if the server closed it, close our end and return 1. */
+static int idle_closed(struct idle_conn *c, int i, int *open_now)
+{
+    if (c[i].fd < 0)
+        return 0;
+    char buf[64];
+    ssize_t got = recv(c[i].fd, buf, sizeof buf, MSG_DONTWAIT);
+    if (got > 0 || (got < 0 && errno == EAGAIN))
+        return 0;
+    close(c[i].fd);
+    c[i].fd = -1;
+    (*open_now)--;
+    return 1;
+}
+
 static int run_idle(int n, double hold_s, int reconnect, double probe_timeout, double interval_ms,
                     uint64_t max_probes)
 {
@@ -846,13 +861,8 @@ static int run_idle(int n, double hold_s, int reconnect, double probe_timeout, d
         int r = epoll_wait(ep, events, 512, 1);
         for (int k = 0; k < r; k++) {
             int i = (int)events[k].data.u32;
-            char buf[64];
-            ssize_t got = recv(c[i].fd, buf, sizeof buf, MSG_DONTWAIT);
-            if (got > 0 || (got < 0 && errno == EAGAIN))
+            if (!idle_closed(c, i, &open_now))
                 continue;
-            close(c[i].fd);
-            c[i].fd = -1;
-            open_now--;
             closed_during_setup++;
             c[i].retry_at = reconnect ? 0 : UINT64_MAX;
         }
@@ -886,15 +896,8 @@ static int run_idle(int n, double hold_s, int reconnect, double probe_timeout, d
         int r = epoll_wait(ep, events, 512, 1);
         for (int k = 0; k < r; k++) {
             int i = (int)events[k].data.u32;
-            if (c[i].fd < 0)
+            if (!idle_closed(c, i, &open_now))
                 continue;
-            char buf[64];
-            ssize_t got = recv(c[i].fd, buf, sizeof buf, MSG_DONTWAIT);
-            if (got > 0 || (got < 0 && errno == EAGAIN))
-                continue;
-            close(c[i].fd);
-            c[i].fd = -1;
-            open_now--;
             closed_by_server++;
             if (reconnect) {
                 reconnects++;

@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import stat
 import subprocess
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -419,15 +416,10 @@ def test_response_to_object_round_trip() -> None:
 
 
 @pytest.fixture
-def lock_tree() -> Iterator[Path]:
+def lock_tree(public_tmp: Path) -> Path:
     """A root-owned 0755 directory in C{/tmp} standing in for C{/tmp}."""
     require_root()
-    path = Path(tempfile.mkdtemp(prefix="hostpid-allocate-", dir="/tmp"))
-    os.chmod(path, 0o755)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path)
+    return public_tmp
 
 
 def allocate(

@@ -10,12 +10,10 @@ kernel's, not the test's imitation of them.
 from __future__ import annotations
 
 import os
-import shutil
 import stat
 import subprocess
-import tempfile
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
@@ -37,7 +35,7 @@ MARKER = "do not touch\n"
 
 
 @pytest.fixture
-def tree() -> Iterator[Path]:
+def tree(public_tmp: Path) -> Path:
     """
     A root-owned 0755 directory directly in C{/tmp}, standing in for C{/tmp}.
 
@@ -45,12 +43,7 @@ def tree() -> Iterator[Path]:
     child could not traverse.
     """
     require_root()
-    path = Path(tempfile.mkdtemp(prefix="hostpid-lockparent-", dir="/tmp"))
-    os.chmod(path, 0o755)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path)
+    return public_tmp
 
 
 def run_as(uid: int, action: Callable[[], object]) -> None:
