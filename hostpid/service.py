@@ -44,7 +44,13 @@ FATAL_EXIT_STATUS = 1
 
 
 def is_default_directory(directory: str) -> bool:
-    return os.path.normpath(directory) == defaults.BROKER_DIRECTORY
+    """
+    Whether C{directory} is the production directory under any spelling:
+    C{/var/run} is a symlink to C{/run} on most systems, and
+    C{/run/hami/hostpid} must get the same rules (root only, no unsafe
+    override) as C{/var/run/hami/hostpid}.
+    """
+    return os.path.realpath(directory) == os.path.realpath(defaults.BROKER_DIRECTORY)
 
 
 def expected_uid_for(directory: str) -> int:

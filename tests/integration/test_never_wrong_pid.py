@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from support import (
     BrokerProcess,
     ask_pid,
@@ -44,9 +45,15 @@ def test_broker_in_a_new_pid_namespace_refuses_to_start(tmp_path: Path) -> None:
     assert not (tmp_path / "broker" / "broker.sock").exists()
 
 
-def test_override_is_refused_with_the_default_directory() -> None:
+@pytest.mark.parametrize(
+    "directory", [None, "/var/run/hami/./hostpid", "/run/hami/hostpid"],
+    ids=["default", "same-path-spelled-differently", "through-/var/run-symlink"],
+)
+def test_override_is_refused_with_the_default_directory(directory: str | None) -> None:
     require_root()
-    with BrokerProcess(None, ["--allow-non-host-pid-namespace"]) as broker:
+    if directory == "/run/hami/hostpid" and os.path.realpath("/var/run") != "/run":
+        pytest.skip("/var/run is not a symlink to /run on this machine")
+    with BrokerProcess(directory, ["--allow-non-host-pid-namespace"]) as broker:
         assert broker.wait_exit() == 1
         output = broker.output()
     assert "--allow-non-host-pid-namespace is refused with the default broker directory" in output
