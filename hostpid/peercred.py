@@ -55,8 +55,14 @@ def peer_credentials(sock: socket.socket) -> PeerCredentials:
 
     @raise OSError: the kernel refused (for example the socket is closed).
     """
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-    return PeerCredentials(*_UCRED.unpack(raw))
+    return PeerCredentials(*_ucred(sock))
+
+
+def _ucred(sock: _socket.socket) -> tuple[int, int, int]:
+    """C{struct ucred} as a plain tuple: the hot path needs the PID and no object."""
+    return _UCRED.unpack(
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    )
 
 
 def peer_pidfd(sock: _socket.socket) -> int:
@@ -141,9 +147,7 @@ class PeerIdentifier:
         @raise PeerGone: the connecting process is no longer there.
         """
         try:
-            pid = _UCRED.unpack(
-                sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-            )[0]
+            pid = _ucred(sock)[0]
         except OSError as e:
             raise PeerCredentialsFailed(e.strerror) from None
         if pid <= 0:

@@ -331,8 +331,9 @@ class BrokerService(Service):
         return stopped
 
     def _release(self) -> None:
-        for name in ("_lockFd", "_directoryFd"):
-            fd = getattr(self, name)
+        """Close the lock (releasing it), then the directory.  Idempotent."""
+        lockFd, self._lockFd = self._lockFd, None
+        directoryFd, self._directoryFd = self._directoryFd, None
+        for fd in (lockFd, directoryFd):
             if fd is not None:
-                setattr(self, name, None)
                 os.close(fd)

@@ -228,6 +228,13 @@ def connect(path: Path | str, timeout: float = 5.0) -> socket.socket:
     return sock
 
 
+def stale_socket(path: Path | str) -> None:
+    """Leave a socket file with no listener behind, as a killed broker does."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(os.fspath(path))
+    sock.close()
+
+
 def read_until_eof(sock: socket.socket, limit: int = 64) -> bytes:
     chunks = []
     total = 0

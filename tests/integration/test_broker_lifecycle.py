@@ -20,6 +20,7 @@ from support import (
     listen_backlog,
     require_root,
     running_broker,
+    stale_socket,
     wait_for,
 )
 
@@ -35,13 +36,6 @@ def refused(directory: Path, *args: str) -> str:
         output = broker.output()
     assert status != 0, output
     return output
-
-
-def stale_socket(path: Path) -> None:
-    """Leave a socket file with no listener behind, as a killed broker does."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.bind(os.fspath(path))
-    sock.close()
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from support import (
     open_fd_count,
     read_until_eof,
     running_broker,
+    stale_socket,
     wait_for,
 )
 
@@ -271,9 +271,7 @@ def test_broker_exits_after_startup_and_next_start_serves(directory: Path) -> No
     with BrokerProcess(directory) as broker:
         broker.wait_listening()
         os.unlink(broker.socket_path)
-        impostor = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        impostor.bind(os.fspath(broker.socket_path))
-        impostor.close()
+        stale_socket(broker.socket_path)
         assert broker.wait_exit() == 1
         assert "replaced by another socket" in broker.output()
     assert (directory / "broker.sock").is_socket(), "the newcomer was left in place"
