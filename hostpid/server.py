@@ -11,8 +11,10 @@ Three pieces, from the inside out:
     that fragment their request, are slow, or half-close.  It buffers exactly
     8 bytes, runs one transaction deadline on an injected clock from
     connection to reply, and never outlives that deadline.
-  - L{BrokerFactory}: counts active transactions, closes one over the limit at
-    once, counts every outcome and logs failures rate-limited.  It also offers
+  - L{BrokerFactory}: counts active transactions, and when every slot is
+    held gives a newcomer the slot of the oldest connection still waiting
+    for its request (which is closed with no reply: I{evicted}); counts
+    every outcome and logs failures rate-limited.  It also offers
     L{BrokerFactory.answerWaiting}, the fast path the listening port uses for a
     request that is already waiting when its connection is accepted: answered
     at once, with no protocol, transport or timer, and without holding a slot,
@@ -25,6 +27,7 @@ import _socket
 import bisect
 import enum
 import socket
+from collections import OrderedDict
 from collections.abc import Callable
 
 import attrs
@@ -59,6 +62,7 @@ class Outcome(enum.IntEnum):
     OVER_LIMIT = 4
     PEER_CREDENTIALS = 5
     PEER_GONE = 6
+    EVICTED = 7
 
     @property
     def label(self) -> str:
@@ -73,6 +77,7 @@ _LABELS = {
     Outcome.OVER_LIMIT: "over_limit",
     Outcome.PEER_CREDENTIALS: "peer_credentials_failed",
     Outcome.PEER_GONE: "peer_gone",
+    Outcome.EVICTED: "evicted",
 }
 
 
@@ -139,10 +144,15 @@ class BrokerProtocol(Protocol):
     """
     One transaction on the general path.
 
-    States: I{reading} (fewer than 8 bytes so far) and I{finished} (replied,
-    refused, or timed out; everything after the 8th byte is ignored).  The
-    deadline is armed in C{connectionMade} and cancelled in C{connectionLost},
-    so no delayed call outlives the connection.
+    States: I{waiting} (fewer than 8 bytes so far: the factory may evict it
+    to make room for a newer connection) and I{finished} (replied, refused,
+    evicted or timed out; everything after the 8th byte is ignored).  The
+    deadline is armed in C{connectionMade} and cancelled when the
+    transaction finishes without a reply or the connection is lost, so no
+    delayed call outlives the connection.
+
+    The protocol holds one of the factory's slots from C{buildProtocol} until
+    C{connectionLost}, or until it is evicted, whichever comes first.
 
     Half-close is supported: a client that sends its 8 bytes and shuts down
     its writing side still gets its reply.
@@ -154,6 +164,7 @@ class BrokerProtocol(Protocol):
         self.factory = factory
         self._buffer = b""
         self._finished = False
+        self._holdsSlot = True
         self._deadline: IDelayedCall | None = None
         self._started = 0.0
 
@@ -170,6 +181,7 @@ class BrokerProtocol(Protocol):
         if len(self._buffer) < wire.REQUEST_SIZE:
             return
         self._finished = True
+        self.factory.stopWaiting(self)
         request = self._buffer[: wire.REQUEST_SIZE]
         self._buffer = b""
         outcome, reply = answer(
@@ -189,6 +201,19 @@ class BrokerProtocol(Protocol):
     def writeConnectionLost(self) -> None:
         """The reply is written; nothing else to do."""
 
+    def evict(self) -> None:
+        """
+        Close this connection, still waiting for its request, with no reply,
+        and give up its slot now: the factory hands the slot to a newer
+        connection at once, while the descriptor itself is closed on the
+        next reactor turn.
+        """
+        self._finish(Outcome.EVICTED)
+        self._cancelDeadline()
+        self._releaseSlot()
+        if self.transport is not None:
+            self.transport.abortConnection()  # type: ignore[attr-defined]
+
     def _deadlineExpired(self) -> None:
         self._deadline = None
         if not self._finished:
@@ -197,21 +222,42 @@ class BrokerProtocol(Protocol):
 
     def _finish(self, outcome: Outcome) -> None:
         self._finished = True
+        self.factory.stopWaiting(self)
         self.factory.record(outcome)
 
-    def connectionLost(self, reason: Failure | None = None) -> None:
+    def _cancelDeadline(self) -> None:
         deadline, self._deadline = self._deadline, None
         if deadline is not None and deadline.active():
             deadline.cancel()
+
+    def _releaseSlot(self) -> None:
+        if self._holdsSlot:
+            self._holdsSlot = False
+            self.factory.transactionEnded()
+
+    def connectionLost(self, reason: Failure | None = None) -> None:
+        self._cancelDeadline()
         if not self._finished:
             self._finish(Outcome.SHORT)
-        self.factory.transactionEnded()
+        self._releaseSlot()
 
 
 class BrokerFactory(Factory):
     """
     Builds L{BrokerProtocol}s, at most C{maxConnections} at a time, and keeps
     the books: active transactions and a count per L{Outcome}.
+
+    When every slot is held, a new connection takes the slot of the oldest
+    one still waiting for its request, which is closed with no reply
+    (L{Outcome.EVICTED}); only when every slot holds a finished transaction
+    whose connection is still closing is the newcomer itself refused
+    (L{Outcome.OVER_LIMIT}).  So silent connections, static or reconnecting,
+    can delay a real client's slot by at most their own lifetime, which
+    under a reconnecting flood is about C{maxConnections / attack rate}
+    seconds instead of zero: a client slow to send between C{connect} and
+    C{send} is answered unless the flood outpaces it by the whole limit.
+    The waiting connections are kept in arrival order in an C{OrderedDict},
+    so finding, evicting and forgetting one are each O(1).
 
     Failures are logged only when their count reaches a power of two, so a
     flood of bad clients costs a handful of log lines, not one per
@@ -237,13 +283,29 @@ class BrokerFactory(Factory):
         self.counts: list[int] = [0] * len(Outcome)
         self.latency = LatencyHistogram()
         self._idle: list[Callable[[], None]] = []
+        #: Protocols still waiting for their request, oldest first.
+        self._waiting: OrderedDict[BrokerProtocol, None] = OrderedDict()
 
     def buildProtocol(self, addr: IAddress) -> BrokerProtocol | None:  # type: ignore[override]
         if self.active >= self.maxConnections:
-            self.record(Outcome.OVER_LIMIT)
-            return None
+            if not self._waiting:
+                self.record(Outcome.OVER_LIMIT)
+                return None
+            oldest, _ = self._waiting.popitem(last=False)
+            oldest.evict()
         self.active += 1
-        return BrokerProtocol(self)
+        protocol = BrokerProtocol(self)
+        self._waiting[protocol] = None
+        return protocol
+
+    @property
+    def waiting(self) -> int:
+        """How many connections hold a slot while still waiting for their request."""
+        return len(self._waiting)
+
+    def stopWaiting(self, protocol: BrokerProtocol) -> None:
+        """C{protocol} has its request, or is finished: it can no longer be evicted."""
+        self._waiting.pop(protocol, None)
 
     def transactionEnded(self) -> None:
         self.active -= 1

@@ -52,7 +52,8 @@ class Options(usage.Options):
          "Broker directory; the socket and lock live inside.  The default "
          "requires root."],
         ["max-connections", None, defaults.MAX_CONNECTIONS,
-         "Active transactions at most; a connection over the limit is closed at once.",
+         "Active transactions at most; when every slot is held, a newcomer takes the "
+         "slot of the oldest connection still waiting for its request.",
          _positive_int],
         ["deadline", None, defaults.DEADLINE,
          "One deadline per transaction, from accept to reply, in seconds.",

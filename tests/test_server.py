@@ -232,14 +232,80 @@ def test_peer_is_identified_only_after_a_valid_request(pair) -> None:
     assert identifier.asked == 1
 
 
-def test_over_limit_is_refused_at_once_and_slot_freed(factory, pair) -> None:
-    protocols = [connect(factory, pair[0])[0] for _ in range(4)]
+def test_full_slots_evict_the_oldest_waiting_connection(factory, pair, clock) -> None:
+    """
+    Every slot held by a connection waiting for its request: a newcomer takes
+    the oldest one's slot at once; the oldest is closed with no reply, its
+    deadline cancelled, and its later connectionLost frees nothing twice.
+    """
+    held = [connect(factory, pair[0]) for _ in range(4)]
+    newcomer, _ = connect(factory, pair[0])
+    oldest, oldestTransport = held[0]
+    assert oldestTransport.disconnecting and oldestTransport.value() == b""
+    assert factory.counts[Outcome.EVICTED] == 1
+    assert factory.counts[Outcome.OVER_LIMIT] == 0
     assert factory.active == 4
+    assert len(clock.getDelayedCalls()) == 4, "the evicted deadline is cancelled"
+    end(oldest)
+    assert factory.active == 4, "the evicted slot is not released twice"
+    assert factory.counts[Outcome.SHORT] == 0
+    oldest.dataReceived(wire.GET_HOST_PID_REQUEST)
+    assert oldestTransport.value() == b"", "an evicted connection is never answered"
+
+
+def test_eviction_follows_arrival_order(factory, pair) -> None:
+    held = [connect(factory, pair[0]) for _ in range(4)]
+    for index in range(4):
+        connect(factory, pair[0])
+        assert [t.disconnecting for _, t in held] == [i <= index for i in range(4)]
+    assert factory.counts[Outcome.EVICTED] == 4
+
+
+def test_a_partial_request_can_be_evicted(factory, pair) -> None:
+    held = [connect(factory, pair[0]) for _ in range(4)]
+    held[0][0].dataReceived(wire.GET_HOST_PID_REQUEST[:4])
+    connect(factory, pair[0])
+    assert held[0][1].disconnecting and held[0][1].value() == b""
+
+
+def test_an_answered_connection_is_never_evicted(factory, pair) -> None:
+    """Answered but still closing: not waiting, so the next waiting one goes."""
+    held = [connect(factory, pair[0]) for _ in range(4)]
+    first, firstTransport = held[0]
+    first.dataReceived(wire.GET_HOST_PID_REQUEST)
+    connect(factory, pair[0])
+    assert firstTransport.value() == wire.encode_ok(os.getpid())
+    assert held[1][1].disconnecting and held[1][1].value() == b""
+    assert factory.counts[Outcome.EVICTED] == 1
+
+
+def test_over_limit_only_when_no_connection_is_waiting(factory, pair) -> None:
+    """
+    Every slot held by an answered connection still closing: nothing can be
+    evicted, so the newcomer is refused; once one closes, its slot is free.
+    """
+    held = [connect(factory, pair[0]) for _ in range(4)]
+    for protocol, _ in held:
+        protocol.dataReceived(wire.GET_HOST_PID_REQUEST)
     assert factory.buildProtocol(None) is None  # type: ignore[arg-type]
     assert factory.counts[Outcome.OVER_LIMIT] == 1
-    end(protocols[0])
+    end(held[0][0])
     assert factory.active == 3
     assert factory.buildProtocol(None) is not None  # type: ignore[arg-type]
+
+
+def test_finished_connections_leave_the_waiting_set(factory, pair, clock) -> None:
+    """Deadline, half-close and loss all take a connection out of the eviction order."""
+    expired, _ = connect(factory, pair[0])
+    clock.advance(DEADLINE)
+    halfClosed, _ = connect(factory, pair[0])
+    halfClosed.readConnectionLost()
+    lost, _ = connect(factory, pair[0])
+    end(lost)
+    assert factory.waiting == 0
+    end(expired)
+    end(halfClosed)
+    assert factory.active == 0
 
 
 def test_when_idle(factory, pair) -> None:

@@ -182,11 +182,13 @@ def test_partial_request_is_closed_at_the_deadline(broker: BrokerProcess) -> Non
     assert ask_pid(broker.socket_path) == os.getpid(), "the broker still serves"
 
 
-def test_over_the_limit_is_closed_at_once_and_broker_recovers(public_tmp: Path) -> None:
+def test_full_slots_evict_the_oldest_and_broker_recovers(public_tmp: Path) -> None:
     """
     With the limit at 4 and 4 silent clients holding every slot, a fifth that
-    has not sent its request when accepted is closed at once with no reply.
-    Once the silent ones go, the broker serves again.
+    has not sent its request when accepted takes the slot of the oldest, which
+    is closed at once with no reply; the fifth then sends and is answered.
+    (The rule before issue 12 closed the fifth instead.)  Once the silent
+    ones go, the broker serves as before.
     """
     deadline = 30.0
     with running_broker(
@@ -196,13 +198,16 @@ def test_over_the_limit_is_closed_at_once_and_broker_recovers(public_tmp: Path) 
         try:
             with connect(broker.socket_path, timeout=WAIT_SECONDS) as fifth:
                 started = time.monotonic()
-                assert read_until_eof(fifth) == b"", "no reply over the limit"
+                assert read_until_eof(silent[0]) == b"", "the oldest: no reply"
                 assert time.monotonic() - started < deadline / 2, "closed at once"
-            for sock in silent:
-                sock.setblocking(False)
-                with pytest.raises(BlockingIOError):
-                    sock.recv(1)  # still open, nothing sent to them
+                for sock in silent[1:]:
+                    sock.setblocking(False)
+                    with pytest.raises(BlockingIOError):
+                        sock.recv(1)  # still open, nothing sent to them
+                fifth.sendall(wire.GET_HOST_PID_REQUEST)
+                assert read_until_eof(fifth) == wire.encode_ok(os.getpid())
         finally:
             for sock in silent:
                 sock.close()
         assert wait_for(lambda: ask_pid(broker.socket_path) == os.getpid(), "recovery")
+        wait_for(lambda: "evicted transactions so far: 1" in broker.output(), "the log line")

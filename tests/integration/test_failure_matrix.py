@@ -168,14 +168,15 @@ def test_saturated_broker_still_answers_requests_already_waiting(directory: Path
     """
     Every slot is held by a silent connection.  Real clients connect and send
     their request while the broker is busy (here: stopped); when it gets to
-    them, their request is waiting and is answered without a slot.  A
-    silent newcomer is closed at once, with no reply.
+    them, their request is waiting and is answered without a slot.  A silent
+    newcomer takes the oldest silent connection's slot, and that one is
+    closed with no reply (before issue 12 the newcomer was closed instead).
     """
     with running_broker(directory, "--max-connections", "4", "--deadline", "30") as broker:
         silent = [connect(broker.socket_path) for _ in range(4)]
         try:
-            with connect(broker.socket_path) as probe:  # proves all 4 slots are held
-                assert read_until_eof(probe) == b""
+            silent.append(connect(broker.socket_path))  # proves all 4 slots are held:
+            assert read_until_eof(silent[0]) == b"", "the oldest is evicted"
             policy = policy_for(directory, deadline=20.0)
             results: list[tuple[object, float]] = []
             resume = stopped(broker)
@@ -199,9 +200,10 @@ def test_saturated_broker_still_answers_requests_already_waiting(directory: Path
 
 def test_silent_flood_is_bounded_and_recovers(directory: Path) -> None:
     """
-    Far more silent connections than slots: the broker holds at most its
-    limit, closes the rest at once, keeps its descriptors bounded, logs a
-    handful of lines, and serves normally once the flood ends.
+    Far more silent connections than slots: each newcomer evicts the oldest,
+    so the broker holds at most its limit (the newest 16), keeps its
+    descriptors bounded, logs a handful of lines, answers a client that
+    connects and only then sends, and serves normally once the flood ends.
     """
     with running_broker(directory, "--max-connections", "16", "--deadline", "30") as broker:
         baseline = open_fd_count(broker.pid)
@@ -225,15 +227,17 @@ def test_silent_flood_is_bounded_and_recovers(directory: Path) -> None:
             held = open_fd_count(broker.pid) - baseline
             assert held <= 16, f"{held} descriptors held for a limit of 16"
             assert count_shed() == 400 - 16, "the 16 in the slots stay open"
-            assert ask_pid(broker.socket_path) == os.getpid(), "a waiting request is answered"
+            assert shed == set(range(400 - 16)), "the oldest are the ones evicted"
+            # Connect, then send: accepted before its request, it takes a slot.
+            assert ask_pid(broker.socket_path) == os.getpid(), "a slow sender is answered"
         finally:
             for sock in flood:
                 sock.close()
         wait_for(lambda: open_fd_count(broker.pid) <= baseline, "descriptors released")
-        over_limit_lines = [
-            line for line in broker.output().splitlines() if "over_limit transactions" in line
-        ]
-        assert len(over_limit_lines) <= 10  # 1, 2, 4, ... 256: log2 of the flood
+        output = broker.output()
+        evicted_lines = [line for line in output.splitlines() if "evicted transactions" in line]
+        assert 1 <= len(evicted_lines) <= 10  # 1, 2, 4, ... 256: log2 of the flood
+        assert "over_limit transactions" not in output
 
 
 def test_broker_restarting(directory: Path) -> None:

@@ -120,6 +120,25 @@ async def test_active_connections_gauge_counts_a_silent_client(running: Running)
 
 
 @pytest_twisted.ensureDeferred
+async def test_evicted_outcome_is_counted(running: Running) -> None:
+    """Every slot held by a silent client: the next one evicts the oldest (issue 12)."""
+    limit = running.broker.factory.maxConnections
+    running.broker.factory.maxConnections = 2
+    socks = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(3)]
+    try:
+        for sock in socks:
+            await deferToThread(sock.connect, running.broker.socketPath)
+        metrics = await running.metrics()  # the broker accepted them before serving HTTP
+        assert metrics[("hostpid_broker_transactions_total", (("outcome", "evicted"),))] == 1
+        assert metrics[("hostpid_broker_active_connections", ())] == 2
+        assert await deferToThread(socks[0].recv, 64) == b"", "the oldest, closed"
+    finally:
+        running.broker.factory.maxConnections = limit
+        for sock in socks:
+            sock.close()
+
+
+@pytest_twisted.ensureDeferred
 async def test_healthz(running: Running) -> None:
     assert await running.get("/healthz") == (200, "ok\n")
 
