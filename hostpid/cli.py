@@ -21,7 +21,7 @@ def _query(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     C{hostpid query}: print the caller's host PID.  C{--socket} points the
     client elsewhere; every trust check stays on.
     """
-    from hostpid import client
+    from hostpid.client import blocking as client
 
     try:
         policy = client.TrustPolicy(socket_path=args.socket, deadline=args.timeout)
@@ -42,7 +42,7 @@ def _doctor(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     C{hostpid doctor}: one line per check, C{NAME ok|FAIL OBSERVED}, with the
     production rules, so an operator sees at once why a workload falls back.
     """
-    from hostpid import client
+    from hostpid.client import blocking as client
 
     results = client.doctor(client.TrustPolicy(socket_path=args.socket))
     for result in results:
@@ -58,7 +58,7 @@ def _prepare_lock_parent(args: argparse.Namespace, stdout: TextIO, stderr: TextI
     stderr naming the path and the rule when not.
     """
     from hostpid.gate import gate_enabled
-    from hostpid.lockparent import LockParentError, prepare_lock_parent
+    from hostpid.node.lockparent import LockParentError, prepare_lock_parent
 
     try:
         prepared = prepare_lock_parent(args.path, broker_enabled=gate_enabled())
@@ -80,14 +80,14 @@ def _allocate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     to stdout, so a plugin that pipes stdout into its response can never
     return a half-patched one.
     """
-    from hostpid.allocation import (
+    from hostpid.gate import gate_enabled
+    from hostpid.node.allocation import (
         AllocationResponseError,
         patch_response,
         response_from_json,
         response_to_json,
     )
-    from hostpid.gate import gate_enabled
-    from hostpid.lockparent import LockParentError, prepare_lock_parent
+    from hostpid.node.lockparent import LockParentError, prepare_lock_parent
 
     broker_enabled = gate_enabled()
     try:

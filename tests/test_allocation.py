@@ -19,7 +19,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from support import hostpid_argv, require_root, subprocess_env
 
-from hostpid.allocation import (
+from hostpid.gate import GATE_ENV
+from hostpid.node.allocation import (
     AllocateResponse,
     AllocationResponseError,
     Mount,
@@ -32,7 +33,6 @@ from hostpid.allocation import (
     response_to_json,
     response_to_object,
 )
-from hostpid.gate import GATE_ENV
 
 PARENT = Mount("/tmp/vgpulock", "/tmp/vgpulock", False)
 BROKER = Mount("/tmp/vgpulock/hostpid", "/var/run/hami/hostpid", True)

@@ -1,5 +1,5 @@
 """
-Tests for L{hostpid.client}, the C{hostpid query} / C{hostpid doctor}
+Tests for L{hostpid.client.blocking}, the C{hostpid query} / C{hostpid doctor}
 commands, and the C contract client, against real sockets.
 
 Refusals of malformed replies use a scripted fake broker (a real Unix socket
@@ -42,7 +42,9 @@ from support import (
     subprocess_env,
 )
 
-from hostpid import cli, client, defaults, txclient, wire
+from hostpid import cli, defaults, wire
+from hostpid.client import blocking as client
+from hostpid.client import txclient
 
 ENABLED = {"LIBVGPU_HOSTPID_BROKER": "1"}
 
@@ -499,7 +501,7 @@ class TestTransportRules:
 
     def test_importing_the_client_does_not_install_a_reactor(self) -> None:
         code = (
-            "import sys, hostpid.client, hostpid.cli\n"
+            "import sys, hostpid.client.blocking, hostpid.cli\n"
             "assert 'twisted.internet.reactor' not in sys.modules\n"
         )
         done = subprocess.run(

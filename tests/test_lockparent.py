@@ -21,7 +21,7 @@ import pytest
 from support import hostpid_argv, require_root, subprocess_env
 from twisted.logger import ILogObserver, globalLogPublisher
 
-from hostpid.lockparent import (
+from hostpid.node.lockparent import (
     MOUNTPOINT_ATTEMPTS,
     QUARANTINE_PREFIX,
     LockParentError,

@@ -17,8 +17,8 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from hostpid import wire
-from hostpid.port import BACKOFF_INITIAL, BACKOFF_MAX, BrokerPort
-from hostpid.server import BrokerFactory
+from hostpid.broker.port import BACKOFF_INITIAL, BACKOFF_MAX, BrokerPort
+from hostpid.broker.server import BrokerFactory
 
 
 class ScriptedListener:

@@ -15,8 +15,8 @@ from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.logger import Logger
 
 from hostpid import wire
+from hostpid.broker.server import BrokerFactory, BrokerProtocol, Outcome, answer
 from hostpid.peercred import PeerCredentialsFailed, PeerGone, PeerIdentifier
-from hostpid.server import BrokerFactory, BrokerProtocol, Outcome, answer
 
 DEADLINE = 0.5
 

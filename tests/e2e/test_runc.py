@@ -45,8 +45,8 @@ from support import (
     subprocess_env,
 )
 
-from hostpid.allocation import Mount, response_from_json
 from hostpid.gate import GATE_ENV
+from hostpid.node.allocation import Mount, response_from_json
 
 WORKLOAD_UID = 1000
 RUNC_TIMEOUT = 60.0
@@ -394,7 +394,7 @@ def test_planted_mountpoint_repaired_by_the_next_allocation(runtime: Runtime,
         assert (planted.st_mode & 0o170000) == 0o100000
 
         # Control: the broker-enabled mounts without the repair.
-        from hostpid.allocation import canonical_mounts
+        from hostpid.node.allocation import canonical_mounts
 
         unrepaired = runtime.run(
             "issue 9: planted file, no repair",

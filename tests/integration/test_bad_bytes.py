@@ -26,7 +26,7 @@ from twisted.internet.defer import maybeDeferred
 from twisted.internet.threads import deferToThread
 
 from hostpid import wire
-from hostpid.service import BrokerService
+from hostpid.broker.service import BrokerService
 
 DEADLINE = 0.5
 

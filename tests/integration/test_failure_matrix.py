@@ -30,7 +30,7 @@ from support import (
     wait_for,
 )
 
-from hostpid.client import HostPidUnavailable, TrustPolicy, query_host_pid
+from hostpid.client.blocking import HostPidUnavailable, TrustPolicy, query_host_pid
 
 GATE_ON = {"LIBVGPU_HOSTPID_BROKER": "1"}
 DEADLINE = 0.5

@@ -24,8 +24,8 @@ from twisted.internet.defer import gatherResults, maybeDeferred
 from twisted.internet.threads import deferToThread
 
 from hostpid import wire
-from hostpid.service import BrokerService
-from hostpid.web import HealthResource, ReadyResource, metrics_site
+from hostpid.broker.metrics import HealthResource, ReadyResource, metrics_site
+from hostpid.broker.service import BrokerService
 
 ENABLED = {"LIBVGPU_HOSTPID_BROKER": "1"}
 

@@ -117,7 +117,7 @@ def test_service_is_composable_in_a_larger_application(tmp_path: Path) -> None:
 import os, sys
 from twisted.application.service import MultiService
 from twisted.internet import reactor
-from hostpid.service import BrokerService
+from hostpid.broker.service import BrokerService
 sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
 from support import ask_pid
 

@@ -1,8 +1,8 @@
 """
 The client's trust policy: which checks decide whether a broker's answer can
 be trusted, and the checks themselves, as plain functions over what the
-kernel reports.  Both client transports (L{hostpid.client}, blocking, and
-L{hostpid.txclient}, Twisted) apply exactly these.
+kernel reports.  Both client transports (L{hostpid.client.blocking}, blocking, and
+L{hostpid.client.txclient}, Twisted) apply exactly these.
 
 The checks, in order, each failing under a stable name:
 

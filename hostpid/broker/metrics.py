@@ -27,8 +27,8 @@ from twisted.web.resource import Resource
 from twisted.web.server import Request, Site
 
 import hostpid
-from hostpid.server import LATENCY_BUCKETS, Outcome
-from hostpid.service import BrokerService
+from hostpid.broker.server import LATENCY_BUCKETS, Outcome
+from hostpid.broker.service import BrokerService
 
 
 class BrokerCollector:

@@ -39,13 +39,13 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from hostpid import defaults
-from hostpid.fsrules import (
+from hostpid.broker.fsrules import (
     BrokerStartupError,
     SocketIdentity,
     identify_socket,
     remove_socket_if_ours,
 )
-from hostpid.server import BrokerFactory
+from hostpid.broker.server import BrokerFactory
 
 #: Accept errors that mean "out of a resource for now": back off and retry.
 RESOURCE_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})

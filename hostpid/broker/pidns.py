@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from hostpid.fsrules import BrokerStartupError
+from hostpid.broker.fsrules import BrokerStartupError
 
 #: C{PROC_PID_INIT_INO} (include/linux/proc_ns.h): the initial PID namespace.
 PROC_PID_INIT_INO = 0xEFFFFFFC

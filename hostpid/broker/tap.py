@@ -15,9 +15,9 @@ from twisted.internet.error import CannotListenError
 from twisted.python import usage
 
 from hostpid import defaults
-from hostpid.fsrules import BrokerStartupError
-from hostpid.sdnotify import ReadinessNotifier
-from hostpid.service import BrokerService
+from hostpid.broker.fsrules import BrokerStartupError
+from hostpid.broker.sdnotify import ReadinessNotifier
+from hostpid.broker.service import BrokerService
 
 
 def _positive_int(value: str) -> int:
@@ -109,7 +109,7 @@ def makeService(options: Options | dict[str, Any]) -> IService:
         allowNonHostPidNamespace=bool(options["allow-non-host-pid-namespace"]),
     )
     if options["metrics"]:
-        from hostpid.web import metrics_site
+        from hostpid.broker.metrics import metrics_site
 
         strports.service(options["metrics"], metrics_site(broker)).setServiceParent(top)
     broker.setServiceParent(top)

@@ -29,12 +29,13 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from hostpid import defaults, fsrules
+from hostpid import defaults
+from hostpid.broker import fsrules
+from hostpid.broker.pidns import OVERRIDE_OPTION, PROC_PID_INIT_INO, check_host_pid_namespace
+from hostpid.broker.port import BrokerPort
+from hostpid.broker.server import BrokerFactory
 from hostpid.gate import GATE_ENV, gate_enabled
 from hostpid.peercred import PeerIdentifier
-from hostpid.pidns import OVERRIDE_OPTION, PROC_PID_INIT_INO, check_host_pid_namespace
-from hostpid.port import BrokerPort
-from hostpid.server import BrokerFactory
 
 #: How often the socket path's identity is checked while serving, in seconds.
 WATCH_INTERVAL = 1.0

@@ -1,6 +1,6 @@
 """
-The Twisted client: L{hostpid.client}'s transaction, with the same checks
-(L{hostpid.trust}) and the same single deadline, on a reactor, returning a
+The Twisted client: L{hostpid.client.blocking}'s transaction, with the same checks
+(L{hostpid.client.trust}) and the same single deadline, on a reactor, returning a
 L{Deferred}.
 """
 
@@ -17,9 +17,8 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from hostpid import wire
-from hostpid.client import FIRST_BACKOFF, _new_socket, _next_backoff, _try_connect
-from hostpid.peercred import PeerCredentials, peer_credentials
-from hostpid.trust import (
+from hostpid.client.blocking import FIRST_BACKOFF, _new_socket, _next_backoff, _try_connect
+from hostpid.client.trust import (
     CONNECT,
     DEADLINE,
     REPLY,
@@ -34,6 +33,7 @@ from hostpid.trust import (
     inspect_layout,
     os_error_text,
 )
+from hostpid.peercred import PeerCredentials, peer_credentials
 
 
 class _DelayedCall(Structural):

@@ -1,12 +1,12 @@
 """
 The blocking client: ask the broker for this process's host PID, and trust
-the answer only when every check of L{hostpid.trust} passes.
+the answer only when every check of L{hostpid.client.trust} passes.
 
 L{query_host_pid} / L{lookup_host_pid} use a plain non-blocking C{socket}
 under one monotonic deadline, no reactor and no module-level mutable state,
 so they are safe from any thread and after C{fork}.  L{doctor} runs every
 check and reports each.  The same transaction on a Twisted reactor is
-L{hostpid.txclient}.
+L{hostpid.client.txclient}.
 
 The client never sends a PID and never returns one the reply did not carry:
 every failure is an exception (or C{None} from L{lookup_host_pid}), and the
@@ -25,8 +25,7 @@ import attrs
 from twisted.logger import Logger
 
 from hostpid import wire
-from hostpid.peercred import PeerCredentials, peer_credentials
-from hostpid.trust import (
+from hostpid.client.trust import (
     CHECKS,
     CONNECT,
     DEADLINE,
@@ -53,6 +52,7 @@ from hostpid.trust import (
     inspect_layout,
     os_error_text,
 )
+from hostpid.peercred import PeerCredentials, peer_credentials
 
 __all__ = [
     "CHECKS", "CONNECT", "DEADLINE", "DIRECTORY", "DOCTOR_CHECKS", "GATE", "OPTIONAL_CHECKS",
