@@ -19,6 +19,8 @@
  *        N silent connections (re-opened as the server closes them with
  *        --reconnect) held for S seconds while a separate probe process sends
  *        real requests in a loop, each with its own timeout.
+ *   --send-gap-ms M (any mode): each real client pauses M ms between
+ *        connect() and send(), as a client that is slow to send.
  *
  * Every mode is bounded by time and by count, and stops by itself.
  * Build: cc -O2 -Wall -o loadgen loadgen.c
@@ -246,6 +248,9 @@ static enum verdict errno_verdict(int e)
  * once, the reply awaited with poll, all under one deadline.  Used by the
  * burst children and the probe.
  */
+/* --send-gap-ms: a pause between connect() and send(), as a client that is slow to send. */
+static useconds_t g_send_gap_us;
+
 static enum verdict one_transaction(double timeout_s, uint32_t expect_pid, uint32_t *retries)
 {
     uint64_t deadline = now_ns() + (uint64_t)(timeout_s * 1e9);
@@ -287,6 +292,8 @@ static enum verdict one_transaction(double timeout_s, uint32_t expect_pid, uint3
         close(fd);
         return errno_verdict(e);
     }
+    if (g_send_gap_us)
+        usleep(g_send_gap_us);
     if (send(fd, REQUEST, REQUEST_SIZE, MSG_NOSIGNAL) != REQUEST_SIZE) {
         close(fd);
         return V_SEND_FAILED;
@@ -967,7 +974,9 @@ static void usage(void)
             "  --idle N --hold S [--reconnect] [--probe-timeout S] [--probe-interval-ms M]\n"
             "                                                       silent-client attack\n"
             "options:\n"
-            "  --timeout S   per-transaction deadline (closed loop, burst), default 5\n");
+            "  --timeout S   per-transaction deadline (closed loop, burst), default 5\n"
+            "  --send-gap-ms M  pause M ms between connect() and send() in every real\n"
+            "                transaction (burst, probe): a client slow to send\n");
     exit(2);
 }
 
@@ -992,6 +1001,7 @@ int main(int argc, char **argv)
         {"probe-interval-ms", required_argument, 0, 'I'},
         {"max-probes", required_argument, 0, 'M'},
         {"times", no_argument, 0, 'T'},
+        {"send-gap-ms", required_argument, 0, 'G'},
         {0, 0, 0, 0},
     };
     int o;
@@ -1011,6 +1021,13 @@ int main(int argc, char **argv)
         case 'I': interval_ms = atof(optarg); break;
         case 'M': max_probes = strtoull(optarg, NULL, 10); break;
         case 'T': times = 1; break;
+        case 'G': {
+            double gap_ms = atof(optarg);
+            if (!(gap_ms >= 0 && gap_ms <= 1000))
+                usage();
+            g_send_gap_us = (useconds_t)(gap_ms * 1000);
+            break;
+        }
         default: usage();
         }
     }
