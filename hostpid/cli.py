@@ -89,6 +89,8 @@ def _allocate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     )
     from hostpid.node.lockparent import LockParentError, prepare_lock_parent
 
+    if args.cdi:
+        return _allocate_cdi(args, stdout, stderr)
     broker_enabled = gate_enabled()
     try:
         response = response_from_json(sys.stdin.buffer.read())
@@ -111,6 +113,102 @@ def _allocate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     stdout.write(response_to_json(patched) + "\n")
     stdout.flush()
     return 0
+
+
+def _allocate_cdi(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
+    """
+    C{hostpid allocate --cdi}: the same preparation and clean-up as
+    C{allocate}, but the response names the CDI device (C{cdiDevices}, and
+    with C{--cdi-annotations} the C{cdi.k8s.io/} annotation too) instead of
+    carrying the mounts.  Nothing on stdout unless every step succeeded.
+    """
+    from hostpid.gate import gate_enabled
+    from hostpid.node.allocation import (
+        AllocationResponseError,
+        response_from_json,
+        response_to_json,
+    )
+    from hostpid.node.cdi import CdiSpecError, patch_response_cdi
+    from hostpid.node.lockparent import LockParentError, prepare_lock_parent
+
+    broker_enabled = gate_enabled()
+    try:
+        response = response_from_json(sys.stdin.buffer.read())
+        patched = patch_response_cdi(
+            response, broker_enabled=broker_enabled, annotate=args.cdi_annotations
+        )
+    except (AllocationResponseError, CdiSpecError) as e:
+        print(f"hostpid: {e}", file=stderr)
+        return 1
+    try:
+        prepared = prepare_lock_parent(args.lock_parent, broker_enabled=broker_enabled)
+    except LockParentError as e:
+        print(f"hostpid: {e}", file=stderr)
+        return 1
+    for line in prepared.describe_repairs():
+        print(f"hostpid: {line}", file=stderr)
+    stdout.write(response_to_json(patched) + "\n")
+    stdout.flush()
+    return 0
+
+
+def _cdi(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
+    """
+    C{hostpid cdi}: prepare the lock parent (and, with the gate on here, its
+    broker mountpoint) as C{allocate} does, then write the CDI spec
+    atomically into C{--dir} (or print it, with C{--dir -}).  One line on
+    stderr naming the path and the rule when refused; nothing written then.
+    """
+    from hostpid.errors import PathRuleError
+    from hostpid.gate import gate_enabled
+    from hostpid.node.cdi import CdiSpecError, qualified_name
+    from hostpid.node.cdiwrite import publish_spec
+
+    broker_enabled = gate_enabled()
+    try:
+        published = publish_spec(
+            None if args.dir == "-" else args.dir,
+            broker_enabled=broker_enabled,
+            lock_parent=args.lock_parent,
+            broker_directory=args.broker_dir,
+            version=args.cdi_version,
+        )
+    except CdiSpecError as e:
+        print(f"hostpid: cdi: {e}", file=stderr)
+        return 1
+    except PathRuleError as e:
+        print(f"hostpid: {e}", file=stderr)
+        return 1
+    for line in published.prepared.describe_repairs():
+        print(f"hostpid: {line}", file=stderr)
+    if published.written is None:
+        stdout.write(published.text)
+    else:
+        state = "broker enabled" if broker_enabled else "broker disabled: lock parent only"
+        print(f"{published.written.path}: CDI spec written "
+              f"({qualified_name('broker')}: {state})", file=stdout)
+    stdout.flush()
+    return 0
+
+
+def _add_cdi_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from hostpid.node import cdi
+
+    parser = commands.add_parser(
+        "cdi",
+        help="prepare the lock parent and write the CDI spec (kind hami.io/hostpid)",
+    )
+    parser.add_argument(
+        "--dir", default=cdi.DEFAULT_SPEC_DIRECTORY, metavar="DIR",
+        help="CDI spec directory (default %(default)s); '-' prints the spec instead",
+    )
+    parser.add_argument("--lock-parent", default=defaults.LOCK_PARENT, metavar="PATH")
+    parser.add_argument("--broker-dir", default=defaults.BROKER_DIRECTORY, metavar="PATH")
+    parser.add_argument(
+        "--cdi-version", default=cdi.DEFAULT_VERSION, metavar="V",
+        help=f"cdiVersion to write (default %(default)s; {cdi.MINIMUM_VERSION} or newer)",
+    )
+    parser.set_defaults(run=_cdi)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -150,7 +248,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     allocate.add_argument("--lock-parent", default=defaults.LOCK_PARENT, metavar="PATH")
     allocate.add_argument("--broker-dir", default=defaults.BROKER_DIRECTORY, metavar="PATH")
+    allocate.add_argument(
+        "--cdi", action="store_true",
+        help="name the CDI device hami.io/hostpid in cdiDevices instead of adding mounts",
+    )
+    allocate.add_argument(
+        "--cdi-annotations", action="store_true",
+        help="with --cdi, also name it in a cdi.k8s.io/ annotation (kubelets before 1.29)",
+    )
     allocate.set_defaults(run=_allocate)
+    _add_cdi_parser(commands)
     return parser
 
 

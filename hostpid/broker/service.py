@@ -138,6 +138,8 @@ class BrokerService(Service):
         watchInterval: float = WATCH_INTERVAL,
         allowNonHostPidNamespace: bool = False,
         identifier: PeerIdentifier | None = None,
+        cdiDirectory: str | None = None,
+        lockParent: str = defaults.LOCK_PARENT,
     ) -> None:
         if reactor is None:
             from twisted.internet import reactor as _reactor
@@ -153,6 +155,8 @@ class BrokerService(Service):
         self.watchInterval = watchInterval
         self.allowNonHostPidNamespace = allowNonHostPidNamespace
         self.identifier = identifier
+        self.cdiDirectory = cdiDirectory
+        self.lockParent = lockParent
         self.factory: BrokerFactory | None = None
         self.port: BrokerPort | None = None
         self.failed = False
@@ -171,6 +175,11 @@ class BrokerService(Service):
         """
         super().startService()
         if not self.enabled:
+            try:
+                self._publishCdiSpec()
+            except BaseException:
+                self.running = False
+                raise
             self.log.info(
                 "hostpid-broker: disabled ({gate} is not exactly \"1\"); no socket is created",
                 gate=GATE_ENV,
@@ -212,6 +221,9 @@ class BrokerService(Service):
             "hostpid-broker: lock taken: {path}",
             path=os.path.join(self.directory, defaults.LOCK_NAME),
         )
+        # After the lock (a second broker must not touch the spec) and before
+        # listening (a refusal leaves no socket behind).
+        self._publishCdiSpec()
         state = fsrules.clear_socket_path(self._directoryFd, self.directory, expectedUid)
         if state is fsrules.SocketPathState.STALE_REMOVED:
             self.log.info("hostpid-broker: stale socket removed: {path}", path=self.socketPath)
@@ -235,6 +247,38 @@ class BrokerService(Service):
         self._watch = LoopingCall(self.checkSocketPath)
         self._watch.clock = self.reactor
         self._watch.start(self.watchInterval, now=False)
+
+    def _publishCdiSpec(self) -> None:
+        """
+        With C{--cdi-dir}: prepare the lock parent and write the CDI spec for
+        this broker's gate, so the spec is back after a reboot clears
+        C{/var/run/cdi}.  A failure is a startup refusal naming the path.
+        """
+        if self.cdiDirectory is None:
+            return
+        from hostpid.errors import PathRuleError
+        from hostpid.node.cdi import CdiSpecError, qualified_name
+        from hostpid.node.cdiwrite import publish_spec
+
+        try:
+            published = publish_spec(
+                self.cdiDirectory,
+                broker_enabled=self.enabled,
+                lock_parent=self.lockParent,
+                broker_directory=self.directory,
+            )
+        except PathRuleError as e:
+            raise fsrules.BrokerStartupError(e.path, e.rule) from e
+        except CdiSpecError as e:
+            raise fsrules.BrokerStartupError(self.cdiDirectory, str(e)) from e
+        for line in published.prepared.describe_repairs():
+            self.log.warn("hostpid-broker: {repair}", repair=line)
+        assert published.written is not None
+        self.log.info(
+            "hostpid-broker: CDI spec written: {path} ({device}: {edits})",
+            path=published.written.path, device=qualified_name("broker"),
+            edits="broker mounts and gate" if self.enabled else "lock parent only",
+        )
 
     def socketPathProblem(self) -> str | None:
         """

@@ -61,6 +61,12 @@ class Options(usage.Options):
         ["metrics", None, None,
          "Twisted endpoint string for the HTTP metrics and health server "
          "(/metrics, /healthz, /readyz), e.g. tcp:9394:interface=127.0.0.1.  Off by default."],
+        ["cdi-dir", None, None,
+         "Write the CDI spec (kind hami.io/hostpid) into this directory at startup, "
+         "following the gate, after preparing the lock parent; e.g. /var/run/cdi.  Off by "
+         "default."],
+        ["lock-parent", None, defaults.LOCK_PARENT,
+         "The host lock parent the CDI spec mounts at /tmp/vgpulock (with --cdi-dir)."],
     ]
 
 
@@ -107,6 +113,8 @@ def makeService(options: Options | dict[str, Any]) -> IService:
         maxConnections=options["max-connections"],
         deadline=options["deadline"],
         allowNonHostPidNamespace=bool(options["allow-non-host-pid-namespace"]),
+        cdiDirectory=options.get("cdi-dir"),
+        lockParent=options.get("lock-parent", defaults.LOCK_PARENT),
     )
     if options["metrics"]:
         from hostpid.broker.metrics import metrics_site
