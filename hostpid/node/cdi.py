@@ -163,6 +163,9 @@ def build_spec(
         that break the rules.
     """
     check_version(version)
+    for what, path in (("lock parent", lock_parent), ("broker directory", broker_directory)):
+        _require(path.startswith("/") and clean_container_path(path) == path,
+                 f"{path}: the {what} must be an absolute, clean path")
     spec = {
         "cdiVersion": version,
         "kind": KIND,
