@@ -1,0 +1,154 @@
+"""
+Podman as a real CDI consumer, for the e2e tests and the CDI benchmark.
+
+Debian's podman 4.3 has no C{--cdi-spec-dir}: it reads specs from
+C{/etc/cdi} and C{/var/run/cdi} only.  So a L{CdiNode} holds a private mount
+namespace (a C{sleep} started by C{unshare -m --propagation private}) with
+fresh tmpfs mounts on those two directories, and runs C{hostpid cdi}, the
+broker and podman inside it by C{nsenter}: nothing on the host's real spec
+directories is read or changed.  (If the host lacks the two mountpoints they
+are created, and removed again afterwards if still empty.)
+
+Each container: C{--rootfs} on a directory (no image, no registry) holding
+only the C{/bin}-style symlinks, with the host's C{/usr} and C{/etc} and this
+Python and working tree bound read-only (L{PythonLayout}, the same as the
+runc e2e test) and a tmpfs C{/tmp}; C{--runtime runc} (crun fails on this
+machine's hybrid cgroup layout); private C{--root}, C{--runroot} and
+C{--tmpdir}; no network; the ulimits this machine needs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+from support import require_tool, wait_for
+from test_runc import ContainerRun, PythonLayout, query_script
+
+PODMAN_TIMEOUT = 120.0
+#: The spec directories podman 4.3 reads (C{/var/run} is C{/run} here).
+SPEC_DIRECTORIES = ("/etc/cdi", "/run/cdi")
+
+
+class CdiNode:
+    """A private mount namespace with empty CDI spec directories, and podman in it."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.podman = require_tool("podman")
+        self.runc = require_tool("runc")
+        unshare = require_tool("unshare")
+        self.nsenter = require_tool("nsenter")
+        self._created: list[str] = []
+        for directory in SPEC_DIRECTORIES:
+            if not os.path.lexists(directory):
+                os.mkdir(directory, 0o755)
+                self._created.append(directory)
+        self.holder = subprocess.Popen(
+            [unshare, "-m", "--propagation", "private", "sleep", "infinity"],
+            stdin=subprocess.DEVNULL,
+        )
+        ours = os.readlink("/proc/self/ns/mnt")
+        wait_for(lambda: self._namespace() not in (None, ours), "the private mount namespace")
+        for directory in SPEC_DIRECTORIES:
+            self.inside(["mount", "-t", "tmpfs", "-o", "mode=0755,size=1m", "tmpfs", directory])
+        self.rootfs = workdir / "rootfs"
+        self.rootfs.mkdir()
+        os.chmod(self.rootfs, 0o755)
+        for name in ("bin", "lib", "lib64", "sbin"):
+            host = Path("/") / name
+            if host.is_symlink():
+                (self.rootfs / name).symlink_to(os.readlink(host))
+        self.python = PythonLayout.of_this_process()
+        self.runs: list[ContainerRun] = []
+
+    def _namespace(self) -> str | None:
+        try:
+            return os.readlink(f"/proc/{self.holder.pid}/ns/mnt")
+        except OSError:
+            return None
+
+    @property
+    def prefix(self) -> list[str]:
+        """Run a command inside the private mount namespace."""
+        return [self.nsenter, "-t", str(self.holder.pid), "-m", "--"]
+
+    def inside(self, argv: Sequence[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            [*self.prefix, *argv], capture_output=True, text=True, timeout=PODMAN_TIMEOUT,
+            check=False, **kwargs,  # type: ignore[call-overload]
+        )
+        assert result.returncode == 0, (argv, result.stdout, result.stderr)
+        return result  # type: ignore[no-any-return]
+
+    def podman_argv(self) -> list[str]:
+        return [
+            self.podman, "--root", str(self.workdir / "root"),
+            "--runroot", str(self.workdir / "runroot"),
+            "--tmpdir", str(self.workdir / "podman-tmp"),
+            "--cgroup-manager", "cgroupfs", "--events-backend", "file",
+            "--runtime", self.runc,
+        ]
+
+    def run(
+        self,
+        name: str,
+        *,
+        devices: Sequence[str] = (),
+        volumes: Sequence[str] = (),
+        envs: dict[str, str] | None = None,
+        uid: int = 1000,
+        args: Sequence[str] | None = None,
+        quiet: bool = False,
+    ) -> ContainerRun:
+        """One C{podman run --rm} to completion: what it printed, its host PID, its time."""
+        pid_file = self.workdir / f"pid-{uuid.uuid4().hex[:12]}"
+        binds = [f"{host}:{inside}:ro" for host, inside in
+                 (("/usr", "/usr"), ("/etc", "/etc"), *self.python.binds)]
+        env = {
+            "PYTHONPATH": ":".join(self.python.pythonpath),
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "HOME": "/",
+            **(envs or {}),
+        }
+        argv = [
+            *self.prefix, *self.podman_argv(), "run", "--rm", "--rootfs",
+            "--network", "none", "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=4096:4096",
+            "--user", f"{uid}:{uid}", "--pidfile", str(pid_file),
+            "--tmpfs", "/tmp:rw,nosuid,nodev,mode=1777,size=16m",
+            *(option for bind in binds for option in ("-v", bind)),
+            *(option for volume in volumes for option in ("-v", volume)),
+            *(option for device in devices for option in ("--device", device)),
+            *(option for key, value in env.items() for option in ("-e", f"{key}={value}")),
+            str(self.rootfs),
+            *(args or ["/bin/sh", "-c", query_script(self.python.executable)]),
+        ]
+        started = time.monotonic()
+        result = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                                timeout=PODMAN_TIMEOUT, check=False)
+        seconds = time.monotonic() - started
+        host_pid = int(pid_file.read_text()) if pid_file.exists() else None
+        run = ContainerRun(name, result.returncode, host_pid, result.stdout, result.stderr,
+                           seconds)
+        self.runs.append(run)
+        if not quiet:
+            print(f"\n[podman] {name}: uid={uid} devices={list(devices)} exit={run.exit_code} "
+                  f"host_pid={host_pid} printed={run.printed_pid()} seconds={seconds:.3f} "
+                  f"facts={run.facts()} stderr={run.stderr.strip()!r}")
+        return run
+
+    def close(self) -> None:
+        if self.holder.poll() is None:
+            self.holder.kill()
+        self.holder.wait()
+        for directory in self._created:
+            try:
+                os.rmdir(directory)
+            except OSError:
+                pass
+        shutil.rmtree(self.workdir / "root", ignore_errors=True)
