@@ -59,6 +59,7 @@ from support import (
 )
 
 from hostpid import defaults
+from hostpid.node import cdi
 
 DEPLOY = REPO / "deploy"
 KUBERNETES = DEPLOY / "kubernetes"
@@ -256,6 +257,8 @@ def pod_rule_violations(spec: Mapping[str, Any], where: str) -> list[str]:
                 if not {"cpu", "memory"} <= set(resources.get(bound, {})):
                     problems.append(f"{name}: set resources.{bound} for cpu and memory")
 
+            problems += cdi_rule_violations(name, argv, mounts, volumes)
+
         paths = [clean_path(m["mountPath"]) for m in mounts]
         for index, mount in enumerate(mounts):
             if paths[index] != WORKLOAD_BROKER_MOUNT:
@@ -275,6 +278,60 @@ def pod_rule_violations(spec: Mapping[str, Any], where: str) -> list[str]:
                 problems.append(
                     f"{name}: a writable {LOCK_PARENT} mount must be listed before the broker mount"
                 )
+    return problems
+
+
+def option_value(argv: Sequence[str], option: str) -> str | None:
+    """The value of C{option VALUE} or C{option=VALUE} in C{argv}, if given."""
+    for index, word in enumerate(argv):
+        if word == option and index + 1 < len(argv):
+            return argv[index + 1]
+        if word.startswith(option + "="):
+            return word.split("=", 1)[1]
+    return None
+
+
+def host_mount(mounts: Sequence[Mapping[str, Any]], volumes: Mapping[str, Any], path: str
+               ) -> tuple[Mapping[str, Any], Mapping[str, Any]] | None:
+    """The container's mount at C{path} and its hostPath, if it is one."""
+    for mount in mounts:
+        if clean_path(mount["mountPath"]) == clean_path(path):
+            host_path = volumes.get(mount["name"], {}).get("hostPath")
+            if host_path is not None:
+                return mount, host_path
+    return None
+
+
+def cdi_rule_violations(name: str, argv: Sequence[str], mounts: Sequence[Mapping[str, Any]],
+                        volumes: Mapping[str, Any]) -> list[str]:
+    """
+    With C{--cdi-dir}: the spec directory is the host's, at the same path and
+    writable (the runtime reads the host's); the lock parent's parent is the
+    host's too, at the same path and writable, so that the lock parent the
+    broker prepares, and that the spec names, is a host path; and it is not
+    a hostPath of the lock parent itself (kubelet would follow a symlink
+    planted there, where the broker's descriptor walk refuses it).
+    """
+    cdi_dir = option_value(argv, "--cdi-dir")
+    if cdi_dir is None:
+        return []
+    problems = []
+    lock_parent = option_value(argv, "--lock-parent") or LOCK_PARENT
+    for what, path in (("--cdi-dir", cdi_dir), ("the lock parent's parent",
+                                                 posixpath.dirname(clean_path(lock_parent)))):
+        found = host_mount(mounts, volumes, path)
+        if found is None:
+            problems.append(f"{name}: {what} {path} must be mounted from the host's {path}")
+            continue
+        mount, host_path = found
+        if clean_path(host_path["path"]) != clean_path(path):
+            problems.append(f"{name}: {what} {path} must be the host's {path}, not "
+                            f"{host_path['path']}")
+        if mount.get("readOnly"):
+            problems.append(f"{name}: {what} {path} must be writable")
+    if host_mount(mounts, volumes, lock_parent) is not None:
+        problems.append(f"{name}: do not mount the lock parent {lock_parent} itself; mount "
+                        "its parent")
     return problems
 
 
@@ -355,6 +412,13 @@ def test_daemonset_ships_with_the_gate_off_and_keeps_the_rules_when_enabled() ->
     assert all_violations([(DAEMONSET, set_gate(doc, "1"))]) == []
 
 
+def test_daemonset_keeps_the_cdi_spec_in_the_hosts_runtime_directory() -> None:
+    """Issue 14: the broker rewrites /var/run/cdi/hami.io-hostpid.json at every start."""
+    argv = container_argv(broker_container(daemonset()))
+    assert option_value(argv, "--cdi-dir") == "/var/run/cdi"
+    assert option_value(argv, "--lock-parent") == LOCK_PARENT
+
+
 def _mutate(doc: dict[str, Any], change: Callable[[dict[str, Any], dict[str, Any]], None]) -> dict:
     doc = copy.deepcopy(doc)
     spec = pod_spec(doc)
@@ -400,7 +464,36 @@ BROKEN_DAEMONSETS: dict[str, tuple[Callable[[dict, dict], None], str]] = {
         lambda spec, c: c["command"].remove("--pidfile="), "--nodaemon --pidfile="),
     "no limits": (
         lambda spec, c: c["resources"].pop("limits"), "resources.limits"),
+    "cdi dir not mounted": (
+        lambda spec, c: _drop_mount(c, "/var/run/cdi"), "--cdi-dir /var/run/cdi must be mounted"),
+    "cdi dir from another host path": (
+        lambda spec, c: _volume(spec, c, "/var/run/cdi").update(path="/etc/cdi"),
+        "must be the host's /var/run/cdi, not /etc/cdi"),
+    "cdi dir read-only": (
+        lambda spec, c: _mount(c, "/var/run/cdi").update(readOnly=True),
+        "--cdi-dir /var/run/cdi must be writable"),
+    "lock parent's parent not mounted": (
+        lambda spec, c: _drop_mount(c, "/tmp"), "the lock parent's parent /tmp must be mounted"),
+    "lock parent mounted itself": (
+        lambda spec, c: _mount(c, "/tmp").update(mountPath="/tmp/vgpulock"),
+        "do not mount the lock parent"),
 }
+
+
+def _mount(container: dict[str, Any], path: str) -> dict[str, Any]:
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == path]
+    return mount
+
+
+def _drop_mount(container: dict[str, Any], path: str) -> None:
+    container["volumeMounts"].remove(_mount(container, path))
+
+
+def _volume(spec: dict[str, Any], container: dict[str, Any], path: str) -> dict[str, Any]:
+    name = _mount(container, path)["name"]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == name]
+    host_path: dict[str, Any] = volume["hostPath"]
+    return host_path
 
 
 @pytest.mark.parametrize("case", sorted(BROKEN_DAEMONSETS))
@@ -571,6 +664,14 @@ def from_working_tree(argv: Sequence[str]) -> list[str]:
     return [*TWISTD, *argv[1:]]
 
 
+def with_option(argv: Sequence[str], option: str, value: str) -> list[str]:
+    """C{argv} with C{option}'s value replaced (it must be given once)."""
+    out = list(argv)
+    assert out.count(option) == 1, (option, out)
+    out[out.index(option) + 1] = value
+    return out
+
+
 def with_metrics_port(argv: Sequence[str], port: int) -> list[str]:
     """C{argv} with its C{--metrics} endpoint moved to C{port} on loopback."""
     out = list(argv)
@@ -718,13 +819,25 @@ def test_daemonset_container_serves_its_probes_as_root_without_capabilities(
     (directory / "broker.lock").touch(mode=0o600)
 
     port = free_tcp_port()
-    argv = with_metrics_port(container_argv(container), port)
+    # The node paths the DaemonSet mounts from the host, moved into this test's tree.
+    host_tmp = tmp_path / "host-tmp"
+    host_tmp.mkdir(mode=0o1777)
+    host_tmp.chmod(0o1777)
+    cdi_dir, lock_parent = tmp_path / "host-cdi", host_tmp / "vgpulock"
+    argv = with_option(with_option(with_metrics_port(container_argv(container), port),
+                                   "--cdi-dir", str(cdi_dir)),
+                       "--lock-parent", str(lock_parent))
     env = subprocess_env({var["name"]: var["value"] for var in container["env"]})
     liveness = container["livenessProbe"]["httpGet"]["path"]
     readiness = container["readinessProbe"]["httpGet"]["path"]
     command = [*prefix, *from_working_tree([*argv, "--directory", str(directory)])]
     with running(command, env) as broker:
         wait_for(lambda: broker.alive() and http_up(port, liveness), "the liveness probe")
+        # Without any capability, the broker prepared the lock parent and wrote the spec.
+        spec = json.loads((cdi_dir / "hami.io-hostpid.json").read_text())
+        assert spec == cdi.build_spec(broker_enabled=gate == "1", lock_parent=str(lock_parent),
+                                      broker_directory=str(directory))
+        assert stat.S_IMODE(os.lstat(lock_parent).st_mode) == 0o1777
         assert broker.status_field("CapEff") == "0" * 16
         assert broker.status_field("CapBnd") == "0" * 16
         assert broker.status_field("NoNewPrivs") == "1"
