@@ -191,7 +191,7 @@ def _cdi(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     return 0
 
 
-def _add_cdi_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def _add_cdi_parser(commands: argparse._SubParsersAction) -> None:
     from hostpid.node import cdi
 
     parser = commands.add_parser(
