@@ -20,9 +20,11 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -300,3 +302,107 @@ def run_json(argv: Sequence[str], cpu: int | None, timeout: float) -> dict[str, 
         )
     result: dict[str, object] = json.loads(lines[-1])
     return result
+
+
+# --- Progress on stderr. ---
+
+
+def clock_text(seconds: float) -> str:
+    """C{m:ss} (or C{h:mm:ss}): what a reader takes in at a glance."""
+    whole = max(0, round(seconds))
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+class Progress:
+    """
+    What a long run is doing, on stderr (stdout carries the report alone):
+    the step, the server, the time elapsed and an estimate of what is left.
+
+    On a terminal it is one line rewritten in place (carriage return, clear
+    to end of line) a few times a second; anywhere else (a pipe, a CI log) it
+    is a plain line at each new step and then every C{every} seconds, so a
+    log shows progress without drowning in it.  A ticker thread keeps the
+    line moving while the main thread blocks in a step; L{set} changes what
+    it says, L{note} prints a line that stays.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        stream: Any = None,
+        every: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.name = name
+        self.stream = sys.stderr if stream is None else stream
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.every = every if every is not None else (0.5 if self.tty else 10.0)
+        self.clock = clock
+        self.started = clock()
+        self._lock = threading.Lock()
+        self._step = ""
+        self._server: str | None = None
+        self._remaining: Callable[[], float | None] = lambda: None
+        self._on_screen = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def line(self) -> str:
+        elapsed = self.clock() - self.started
+        server = f" [{self._server}]" if self._server else ""
+        left = self._remaining()
+        estimate = f", about {clock_text(left)} left" if left is not None else ""
+        return f"{self.name}: {self._step}{server}; elapsed {clock_text(elapsed)}{estimate}"
+
+    def _write(self, text: str, stays: bool) -> None:
+        if self.tty:
+            self.stream.write("\r\x1b[K" + text + ("\n" if stays else ""))
+            self._on_screen = not stays
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def set(
+        self,
+        step: str,
+        server: str | None = None,
+        remaining: Callable[[], float | None] | None = None,
+    ) -> None:
+        """A new step: shown at once, then kept up to date."""
+        with self._lock:
+            self._step, self._server = step, server
+            self._remaining = remaining or (lambda: None)
+            self._write(self.line(), stays=False)
+
+    def tick(self) -> None:
+        with self._lock:
+            if self._step:
+                self._write(self.line(), stays=False)
+
+    def note(self, text: str) -> None:
+        """A line that stays (a result, a failure), above the moving one."""
+        with self._lock:
+            self._write(f"{self.name}: {text}", stays=True)
+            if self.tty and self._step:
+                self._write(self.line(), stays=False)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self.tick()
+
+    def __enter__(self) -> Progress:
+        self._thread = threading.Thread(target=self._run, name="progress", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        with self._lock:
+            if self.tty and self._on_screen:
+                self.stream.write("\r\x1b[K")
+                self.stream.flush()
+            self._on_screen = False

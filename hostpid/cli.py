@@ -9,11 +9,31 @@ unavailable, 2 usage).  No rule lives here.
 from __future__ import annotations
 
 import argparse
+import math
+import re
 import sys
-from collections.abc import Sequence
-from typing import TextIO
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NoReturn, TextIO
 
 from hostpid import defaults
+
+if TYPE_CHECKING:
+    from hostpid.client.trust import HostPidUnavailable
+
+#: The distribution whose version C{--version} prints.
+DISTRIBUTION = "hostpid-broker"
+
+
+def _failure_line(command: str, problem: HostPidUnavailable, socket_path: str) -> str:
+    """
+    C{hostpid COMMAND: CHECK check failed: PATH: OBSERVED}: the check, the
+    path it looked at, and what it saw, on one line.
+    """
+    from hostpid.client.trust import checked_path
+
+    path = checked_path(problem.check, socket_path)
+    where = f"{path}: " if path is not None else ""
+    return f"hostpid {command}: {problem.check} check failed: {where}{problem.observed}\n"
 
 
 def _query(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
@@ -23,17 +43,36 @@ def _query(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     """
     from hostpid.client import blocking as client
 
-    try:
-        policy = client.TrustPolicy(socket_path=args.socket, deadline=args.timeout)
-    except ValueError as error:
-        stderr.write(f"hostpid query: {error}\n")
-        return 2
+    policy = client.TrustPolicy(socket_path=args.socket, deadline=args.timeout)
     try:
         pid = client.query_host_pid(policy)
     except client.HostPidUnavailable as problem:
-        stderr.write(f"hostpid query: {problem.check} check failed: {problem.observed}\n")
+        stderr.write(_failure_line("query", problem, policy.socket_path))
         return 1
     stdout.write(f"{pid}\n")
+    return 0
+
+
+def _probe(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
+    """
+    C{hostpid probe}: the operator's check of a running broker (and a
+    container exec probe): one transaction, healthy only when the broker
+    names this very process.  One line either way.
+    """
+    from hostpid.client import blocking as client
+
+    try:
+        report = client.probe(args.socket, args.timeout)
+    except client.HostPidUnavailable as problem:
+        line = _failure_line("probe", problem, args.socket)
+        if problem.check == client.GATE:
+            line = line.rstrip("\n") + f"; {args.socket} not probed\n"
+        stderr.write(line)
+        return 1
+    stdout.write(
+        f"{report.socket_path}: ok: answered PID {report.pid} (this process); "
+        f"{report.socket.observed}\n"
+    )
     return 0
 
 
@@ -191,70 +230,195 @@ def _cdi(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     return 0
 
 
-def _add_cdi_parser(commands: argparse._SubParsersAction) -> None:
+def _add_cdi_parser(commands: argparse._SubParsersAction[_Parser]) -> None:
     from hostpid.node import cdi
 
-    parser = commands.add_parser(
-        "cdi",
-        help="prepare the lock parent and write the CDI spec (kind hami.io/hostpid)",
+    parser = _subcommand(
+        commands, "cdi",
+        "prepare the lock parent and write the CDI spec (kind hami.io/hostpid)",
+        "Prepare the lock parent (and, with LIBVGPU_HOSTPID_BROKER=1, its broker\n"
+        "mountpoint) exactly as allocate does, then write the CDI spec atomically to\n"
+        "DIR/hami.io-hostpid.json, root-owned 0644.  Exit 0 written; 1 unsafe path or\n"
+        "refused, with nothing written.",
     )
     parser.add_argument(
         "--dir", default=cdi.DEFAULT_SPEC_DIRECTORY, metavar="DIR",
-        help="CDI spec directory (default %(default)s); '-' prints the spec instead",
+        help="CDI spec directory; '-' prints the spec instead (default: %(default)s)",
     )
-    parser.add_argument("--lock-parent", default=defaults.LOCK_PARENT, metavar="PATH")
-    parser.add_argument("--broker-dir", default=defaults.BROKER_DIRECTORY, metavar="PATH")
+    parser.add_argument(
+        "--lock-parent", default=defaults.LOCK_PARENT, metavar="PATH",
+        help="host lock parent, prepared and mounted writable at /tmp/vgpulock "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--broker-dir", default=defaults.BROKER_DIRECTORY, metavar="PATH",
+        help="host broker directory, mounted read-only at /tmp/vgpulock/hostpid "
+        "(default: %(default)s)",
+    )
     parser.add_argument(
         "--cdi-version", default=cdi.DEFAULT_VERSION, metavar="V",
-        help=f"cdiVersion to write (default %(default)s; {cdi.MINIMUM_VERSION} or newer)",
+        help=f"cdiVersion to write, {cdi.MINIMUM_VERSION} or newer (default: %(default)s)",
     )
     parser.set_defaults(run=_cdi)
+def _version() -> str:
+    """The installed distribution's version, else the package's own."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(DISTRIBUTION)
+    except PackageNotFoundError:
+        import hostpid
+
+        return hostpid.__version__
+
+
+def _seconds(option: str) -> Callable[[str], float]:
+    """
+    An argparse type for a positive, finite number of seconds whose error
+    names the option (argparse adds its own C{argument OPTION:} prefix).
+    """
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(
+                f"{option} must be a positive number of seconds, got {text!r}"
+            )
+        return value
+
+    return parse
+
+
+class _Parser(argparse.ArgumentParser):
+    """
+    One line for a usage error, naming the option: C{hostpid query: --timeout
+    must be ...}, after the usage line, exit status 2.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        named = re.fullmatch(r"argument (--[\w-]+): (\1 .*)", message, re.DOTALL)
+        if named is not None:
+            message = named.group(2)
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: {message}\n")
+
+
+def _subcommand(
+    commands: argparse._SubParsersAction[_Parser], name: str, summary: str, description: str
+) -> _Parser:
+    return commands.add_parser(
+        name,
+        help=summary,
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def _socket_option(parser: argparse.ArgumentParser, default: str, what: str) -> None:
+    parser.add_argument(
+        "--socket", default=default, metavar="PATH",
+        help=f"{what} (default: %(default)s)",
+    )
+
+
+def _timeout_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--timeout", type=_seconds("--timeout"), default=defaults.DEADLINE, metavar="S",
+        help="one deadline in seconds over connect, write and read (default: %(default)s)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="hostpid",
-        description="Host PID broker client and allocation helpers.",
+        description="Host PID broker client and allocation helpers "
+        "(the broker itself is `twistd hostpid-broker`).",
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"hostpid {_version()}",
+        help="print `hostpid X.Y.Z` and exit",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
 
-    query = commands.add_parser(
-        "query", help="ask the broker for this process's host PID, with every trust check"
+    query = _subcommand(
+        commands, "query",
+        "ask the broker for this process's host PID, with every trust check",
+        "Ask the broker for this process's host PID and print it, applying every client\n"
+        "trust check (gate, directory, socket, read-only mount, peer UID, reply): a\n"
+        "workload's question.  Exit 0 with the PID; 1 with one line on stderr naming the\n"
+        "check that failed and the path it looked at; 2 for a usage error.",
     )
-    query.add_argument("--socket", default=defaults.CLIENT_SOCKET, metavar="PATH")
-    query.add_argument(
-        "--timeout", type=float, default=defaults.DEADLINE, metavar="S",
-        help="one deadline over connect, write and read (default %(default)s)",
-    )
+    _socket_option(query, defaults.CLIENT_SOCKET, "the broker socket as a workload sees it")
+    _timeout_option(query)
     query.set_defaults(run=_query)
 
-    doctor = commands.add_parser(
-        "doctor", help="run each client trust check and print one line per check"
+    probe = _subcommand(
+        commands, "probe",
+        "check a running broker from the host or its own container (an exec probe)",
+        "The operator's check of a running broker, from the host or the broker's own\n"
+        "container (also a container exec probe): one transaction, healthy when the reply\n"
+        "has status 0 and names this process's own PID.  Every trust check applies except\n"
+        "the read-only mount, which only a workload has; the gate LIBVGPU_HOSTPID_BROKER\n"
+        "must be 1 here too.  Exit 0 healthy (prints the PID and the socket's owner and\n"
+        "mode); 1 otherwise, with one line on stderr naming the path and what failed.",
     )
-    doctor.add_argument("--socket", default=defaults.CLIENT_SOCKET, metavar="PATH")
+    _socket_option(probe, defaults.BROKER_SOCKET, "the broker socket as the host sees it")
+    _timeout_option(probe)
+    probe.set_defaults(run=_probe)
+
+    doctor = _subcommand(
+        commands, "doctor",
+        "run each client trust check and print one line per check",
+        "Run every client trust check, as a workload would, and print one line per\n"
+        "check: NAME ok|FAIL OBSERVED.  Exit 0 when every line is ok, 1 otherwise.",
+    )
+    _socket_option(doctor, defaults.CLIENT_SOCKET, "the broker socket as a workload sees it")
     doctor.set_defaults(run=_doctor)
 
-    prepare = commands.add_parser(
-        "prepare-lock-parent",
-        help="prepare the shared lock parent (root-owned, 01777) by descriptors only",
+    prepare = _subcommand(
+        commands, "prepare-lock-parent",
+        "prepare the shared lock parent (root-owned, 01777) by descriptors only",
+        "Prepare the shared lock parent: root-owned, mode 01777, by descriptor-based\n"
+        "steps that never follow a symlink; with LIBVGPU_HOSTPID_BROKER=1 also its broker\n"
+        "mountpoint.  Exit 0 prepared; 1 unsafe (one line on stderr: path and rule).",
     )
-    prepare.add_argument("--path", default=defaults.LOCK_PARENT, metavar="PATH")
+    prepare.add_argument(
+        "--path", default=defaults.LOCK_PARENT, metavar="PATH",
+        help="the lock parent on the host (default: %(default)s)",
+    )
     prepare.set_defaults(run=_prepare_lock_parent)
 
-    allocate = commands.add_parser(
-        "allocate",
-        help="patch a ContainerAllocateResponse (JSON on stdin) with the lock parent "
+    allocate = _subcommand(
+        commands, "allocate",
+        "patch a ContainerAllocateResponse (JSON on stdin) with the lock parent "
         "and broker mounts",
+        "Read a kubelet ContainerAllocateResponse as JSON on stdin, prepare the lock\n"
+        "parent, and write the patched response on stdout; the broker mount and gate\n"
+        "follow LIBVGPU_HOSTPID_BROKER in this environment.  Exit 0 written; 1 unsafe\n"
+        "lock parent or invalid JSON, with nothing on stdout.",
     )
-    allocate.add_argument("--lock-parent", default=defaults.LOCK_PARENT, metavar="PATH")
-    allocate.add_argument("--broker-dir", default=defaults.BROKER_DIRECTORY, metavar="PATH")
+    allocate.add_argument(
+        "--lock-parent", default=defaults.LOCK_PARENT, metavar="PATH",
+        help="host directory prepared and mounted writable at /tmp/vgpulock "
+        "(default: %(default)s)",
+    )
+    allocate.add_argument(
+        "--broker-dir", default=defaults.BROKER_DIRECTORY, metavar="PATH",
+        help="host broker directory mounted read-only at /tmp/vgpulock/hostpid "
+        "(default: %(default)s)",
+    )
     allocate.add_argument(
         "--cdi", action="store_true",
-        help="name the CDI device hami.io/hostpid in cdiDevices instead of adding mounts",
+        help="name the CDI device hami.io/hostpid in cdiDevices instead of adding mounts "
+        "(default: %(default)s)",
     )
     allocate.add_argument(
         "--cdi-annotations", action="store_true",
-        help="with --cdi, also name it in a cdi.k8s.io/ annotation (kubelets before 1.29)",
+        help="with --cdi, also name it in a cdi.k8s.io/ annotation, for kubelets before 1.29 "
+        "(default: %(default)s)",
     )
     allocate.set_defaults(run=_allocate)
     _add_cdi_parser(commands)

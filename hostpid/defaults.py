@@ -12,6 +12,9 @@ from __future__ import annotations
 BROKER_DIRECTORY = "/var/run/hami/hostpid"
 SOCKET_NAME = "broker.sock"
 LOCK_NAME = "broker.lock"
+#: The broker's socket as the host (and the broker's own container) sees it:
+#: what C{hostpid probe} checks by default.
+BROKER_SOCKET = BROKER_DIRECTORY + "/" + SOCKET_NAME
 
 #: Where a workload sees the broker directory: a read-only nested mount.
 LOCK_PARENT = "/tmp/vgpulock"

@@ -307,3 +307,48 @@ def cpu_seconds(pid: int) -> float:
     """User plus system CPU time of process C{pid}, from /proc."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class DefaultLayout:
+    """
+    A private mount namespace whose C{/run} is an empty tmpfs, so that a
+    broker can run as root with its default directory (C{/var/run/hami/
+    hostpid}) without touching the host's; commands are run in it with
+    C{nsenter}, and the test reaches its socket through C{/proc/PID/root}.
+    """
+
+    def __init__(self) -> None:
+        require_root()
+        unshare = require_tool("unshare")
+        self.nsenter = require_tool("nsenter")
+        require_tool("mount")
+        self.holder = subprocess.Popen(
+            [unshare, "--mount", "--propagation", "private", "--", "sh", "-c",
+             "mount -t tmpfs -o mode=0755 hostpid-test /run && echo ready && exec cat"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        assert self.holder.stdout is not None
+        assert self.holder.stdout.readline() == "ready\n"
+
+    @property
+    def prefix(self) -> list[str]:
+        return [self.nsenter, f"--mount=/proc/{self.holder.pid}/ns/mnt", "--"]
+
+    def seen_from_here(self, path: str) -> Path:
+        """
+        C{path} in the namespace, reached from here.  Symlinks on the way
+        (C{/var/run -> /run}) are resolved first: an absolute link met under
+        C{/proc/PID/root} would be resolved against this process's root.
+        """
+        return Path(f"/proc/{self.holder.pid}/root{os.path.realpath(path)}")
+
+    def close(self) -> None:
+        assert self.holder.stdin is not None
+        self.holder.stdin.close()
+        self.holder.wait(WAIT_SECONDS)
+
+    def __enter__(self) -> DefaultLayout:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

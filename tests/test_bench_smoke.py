@@ -8,10 +8,15 @@ answered), never speed: speed lives in C{bench/run}.
 
 from __future__ import annotations
 
+import io
 import json
+import re
 import subprocess
+import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from support import REPO, require_tool, running_broker
@@ -117,3 +122,118 @@ def test_wrong_pid_is_detected(loadgen: Path, tmp_path: Path) -> None:
         listener.close()
     assert result["ok"] == 0
     assert isinstance(result["wrong_pid"], int) and result["wrong_pid"] > 0
+
+
+# --- Progress: bench/run and bench/soak say what they are doing, on stderr. ---
+
+#: One progress line in the plain (not a terminal) form.
+PROGRESS_LINE = re.compile(
+    r"(?P<tool>bench|soak): (?P<step>.+?)(?: \[(?P<server>[\w-]+)\])?; "
+    r"elapsed (?P<elapsed>\d+:\d\d)(?:, about (?P<left>\d+:\d\d) left)?"
+)
+
+
+def seconds(clock: str) -> int:
+    minutes, secs = clock.split(":")
+    return int(minutes) * 60 + int(secs)
+
+
+def progress_lines(stderr: str, tool: str) -> list[re.Match[str]]:
+    """The progress lines, checked to be plain lines with a clock that never goes back."""
+    assert "\r" not in stderr and "\x1b" not in stderr, "not a terminal: plain lines only"
+    found = [m for line in stderr.splitlines() if (m := PROGRESS_LINE.fullmatch(line))]
+    assert all(m["tool"] == tool for m in found)
+    elapsed = [seconds(m["elapsed"]) for m in found]
+    assert elapsed == sorted(elapsed), elapsed
+    return found
+
+
+def run_bench_script(name: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """C{bench/NAME} with stdout and stderr on pipes (not a terminal), in a scratch cwd."""
+    require_tool("cc")
+    return subprocess.run(
+        [sys.executable, str(REPO / "bench" / name), *args], capture_output=True, text=True,
+        timeout=300, stdin=subprocess.DEVNULL, cwd=tempfile.gettempdir(),
+    )
+
+
+def test_bench_run_reports_progress_on_stderr(tmp_path: Path) -> None:
+    done = run_bench_script(
+        "run", "--quick", "--scenarios", "closed-1,burst-256", "--burst-repeat", "1",
+        "--no-plots", "--progress-every", "0.3", "--out", str(tmp_path / "report"),
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("# hostpid benchmark report"), "stdout: the report alone"
+    assert "bench:" not in done.stdout and "elapsed" not in done.stdout
+    found = progress_lines(done.stderr, "bench")
+    steps = [m["step"] for m in found]
+    assert steps[0] == "[1/2] closed-1 (run 1)" and steps[-1] == "[2/2] burst-256 (run 1)"
+    assert set(steps) == {"[1/2] closed-1 (run 1)", "[2/2] burst-256 (run 1)"}
+    assert {m["server"] for m in found} == {"hostpid"}
+    assert all(m["left"] is not None for m in found), "an estimate of what is left"
+    assert seconds(found[-1]["left"]) <= seconds(found[0]["left"])
+    # The ticker kept the line moving during the first step (about 3 s at 0.3 s a line).
+    assert steps.count("[1/2] closed-1 (run 1)") >= 3, done.stderr
+
+
+def test_bench_soak_reports_progress_on_stderr() -> None:
+    done = run_bench_script(
+        "soak", "--minutes", "0.1", "--flood-clients", "50", "--progress-every", "0.5",
+    )
+    assert done.returncode in (0, 1), done.stderr  # 1: a violation, reported in the JSON
+    summary = json.loads(done.stdout)  # stdout is the JSON summary and nothing else
+    assert summary["minutes"] == 0.1
+    found = progress_lines(done.stderr, "soak")
+    steps = [m["step"] for m in found]
+    for prefix in ("starting the server", "warm-up: ", "settling after the warm-up",
+                   "main phase: ", "settling and stopping the server"):
+        assert any(step.startswith(prefix) for step in steps), (prefix, done.stderr)
+    main = [m for m in found if m["step"].startswith("main phase: ")]
+    assert len(main) >= 3, "about 5 s of main phase at 0.5 s a line"
+    assert all(m["left"] is not None for m in main)
+    assert seconds(main[-1]["left"]) < seconds(main[0]["left"])
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def benchlib() -> Any:
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import benchlib as module
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    return module
+
+
+def test_progress_on_a_terminal_rewrites_one_line() -> None:
+    """The terminal form, with a clock driven by hand and no ticker thread."""
+    now = [100.0]
+    terminal = FakeTerminal()
+    progress = benchlib().Progress("bench", stream=terminal, clock=lambda: now[0])
+    assert progress.tty and progress.every == 0.5
+    progress.set("[1/2] closed-1 (run 1)", server="hostpid", remaining=lambda: 75.0)
+    now[0] += 61
+    progress.tick()
+    progress.note("step failed: boom")
+    progress.__exit__(None, None, None)
+    assert terminal.getvalue() == (
+        "\r\x1b[Kbench: [1/2] closed-1 (run 1) [hostpid]; elapsed 0:00, about 1:15 left"
+        "\r\x1b[Kbench: [1/2] closed-1 (run 1) [hostpid]; elapsed 1:01, about 1:15 left"
+        "\r\x1b[Kbench: step failed: boom\n"
+        "\r\x1b[Kbench: [1/2] closed-1 (run 1) [hostpid]; elapsed 1:01, about 1:15 left"
+        "\r\x1b[K"
+    )
+
+
+def test_progress_elsewhere_is_plain_lines_every_ten_seconds() -> None:
+    plain = io.StringIO()
+    progress = benchlib().Progress("soak", stream=plain, clock=lambda: 0.0)
+    assert not progress.tty and progress.every == 10.0
+    progress.set("warm-up", server="hostpid")
+    progress.note("after warm-up: 11 fds")
+    assert plain.getvalue() == (
+        "soak: warm-up [hostpid]; elapsed 0:00\nsoak: after warm-up: 11 fds\n"
+    )

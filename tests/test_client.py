@@ -526,7 +526,10 @@ class TestCommandLine:
         monkeypatch.setenv("LIBVGPU_HOSTPID_BROKER", "1")
         status, out, err = run_cli("query", "--socket", str(real_broker.socket_path))
         assert (status, out) == (1, "")
-        assert err == "hostpid query: read-only-mount check failed: read-write mount\n"
+        assert err == (
+            f"hostpid query: read-only-mount check failed: {real_broker.directory}: "
+            "read-write mount\n"
+        )
 
     def test_query_gate(self, real_broker: BrokerProcess, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("LIBVGPU_HOSTPID_BROKER", "0")
@@ -544,12 +547,6 @@ class TestCommandLine:
         assert err.count("\n") == 1
         check = err.split()[2]
         assert check in ("directory", "socket", "read-only-mount"), err
-
-    @pytest.mark.parametrize("timeout", ["0", "-1", "nan"])
-    def test_query_bad_timeout_is_usage(self, timeout: str) -> None:
-        status, out, err = run_cli("query", "--timeout", timeout)
-        assert (status, out) == (2, "")
-        assert "deadline must be a positive number" in err
 
     def test_query_subprocess_exit_status(self, real_broker: BrokerProcess) -> None:
         from support import hostpid_argv

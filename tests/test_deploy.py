@@ -23,6 +23,7 @@ Why each check exists:
 
 from __future__ import annotations
 
+import configparser
 import copy
 import ctypes
 import json
@@ -51,6 +52,7 @@ import yaml
 from support import (
     REPO,
     TWISTD,
+    DefaultLayout,
     ask_pid,
     require_root,
     require_tool,
@@ -64,6 +66,7 @@ from hostpid.node import cdi
 DEPLOY = REPO / "deploy"
 KUBERNETES = DEPLOY / "kubernetes"
 DAEMONSET = KUBERNETES / "20-daemonset.yaml"
+DAEMONSET_WITHOUT_METRICS = KUBERNETES / "variants" / "20-daemonset-without-metrics.yaml"
 WORKLOAD_EXAMPLE = KUBERNETES / "examples" / "workload-pod.yaml"
 UNIT = DEPLOY / "systemd" / "hostpid-broker.service"
 CONTAINERFILE = DEPLOY / "container" / "Containerfile"
@@ -77,6 +80,9 @@ BROKER_DIRECTORY = defaults.BROKER_DIRECTORY
 LOCK_PARENT = "/tmp/vgpulock"
 WORKLOAD_BROKER_MOUNT = "/tmp/vgpulock/hostpid"
 BROKER_COMMAND = ["twistd", "--nodaemon", "--pidfile=", "hostpid-broker"]
+#: The exec probe where the metrics port is off: C{hostpid probe}, skipped
+#: while the broker's gate is off (the broker's own rule: only "1" enables).
+EXEC_PROBE = ["sh", "-c", '[ "$LIBVGPU_HOSTPID_BROKER" != 1 ] || exec hostpid probe']
 
 
 # --- reading the recipes -------------------------------------------------------------
@@ -243,11 +249,16 @@ def pod_rule_violations(spec: Mapping[str, Any], where: str) -> list[str]:
 
             port = metrics_port(argv)
             declared = {p.get("containerPort") for p in container.get("ports", [])}
-            if port is None or port not in declared:
+            if "--metrics" in argv and (port is None or port not in declared):
                 problems.append(f"{name}: --metrics must listen on a declared containerPort")
             for kind, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
                 probe = container.get(kind)
-                if probe is None or probe.get("httpGet", {}).get("path") != path:
+                if "--metrics" not in argv:
+                    if probe is None or probe.get("exec", {}).get("command") != EXEC_PROBE:
+                        problems.append(
+                            f"{name}: without --metrics, {kind} must be exec {EXEC_PROBE}"
+                        )
+                elif probe is None or probe.get("httpGet", {}).get("path") != path:
                     problems.append(f"{name}: {kind} must be httpGet {path}")
                 elif probe_port(container, probe) != port:
                     problems.append(f"{name}: {kind} must target the --metrics port {port}")
@@ -345,8 +356,8 @@ def all_violations(documents: Sequence[tuple[Path, Mapping[str, Any]]]) -> list[
     return problems
 
 
-def daemonset() -> dict[str, Any]:
-    (doc,) = load_documents(DAEMONSET)
+def daemonset(path: Path = DAEMONSET) -> dict[str, Any]:
+    (doc,) = load_documents(path)
     assert doc["kind"] == "DaemonSet"
     return doc
 
@@ -374,7 +385,7 @@ def set_gate(doc: dict[str, Any], value: str) -> dict[str, Any]:
 def test_manifests_validate_against_kubernetes_schemas(version: str) -> None:
     documents = all_documents()
     kinds = sorted(doc["kind"] for _, doc in documents)
-    assert kinds == ["DaemonSet", "Namespace", "Pod", "ServiceAccount"]
+    assert kinds == ["DaemonSet", "DaemonSet", "Namespace", "Pod", "ServiceAccount"]
     for path, doc in documents:
         validated = kubernetes_validate.validate(doc, version, strict=True)
         assert validated == version.rsplit(".", 1)[0], (path, "validated against another version")
@@ -397,7 +408,7 @@ def test_shipped_manifests_keep_the_rules() -> None:
     documents = all_documents()
     assert all_violations(documents) == []
     containers = [c for _, doc in documents if (s := pod_spec(doc)) for c in s["containers"]]
-    assert sum(map(is_broker_container, containers)) == 1, "the checker found the broker"
+    assert sum(map(is_broker_container, containers)) == 2, "the checker found both brokers"
     workload_mounts = [
         m for c in containers for m in c.get("volumeMounts", [])
         if clean_path(m["mountPath"]) == WORKLOAD_BROKER_MOUNT
@@ -494,6 +505,46 @@ def _volume(spec: dict[str, Any], container: dict[str, Any], path: str) -> dict[
     (volume,) = [v for v in spec["volumes"] if v["name"] == name]
     host_path: dict[str, Any] = volume["hostPath"]
     return host_path
+
+
+def without_metrics(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """
+    What C{variants/20-daemonset-without-metrics.yaml} must be: the DaemonSet
+    with no C{--metrics}, no port, no scrape annotations, and exec probes.
+    """
+    doc = copy.deepcopy(dict(doc))
+    template = doc["spec"]["template"]
+    template["metadata"].pop("annotations")
+    container = broker_container(doc)
+    container.pop("ports")
+    args = container["args"]
+    index = args.index("--metrics")
+    del args[index : index + 2]
+    if not args:
+        container.pop("args")
+    container["livenessProbe"] = {
+        "exec": {"command": EXEC_PROBE}, "periodSeconds": 10, "timeoutSeconds": 5,
+        "failureThreshold": 3,
+    }
+    container["readinessProbe"] = {
+        "exec": {"command": EXEC_PROBE}, "periodSeconds": 5, "timeoutSeconds": 5,
+        "failureThreshold": 2,
+    }
+    return doc
+
+
+def test_the_variant_without_metrics_is_the_daemonset_with_exec_probes() -> None:
+    """Two files, one DaemonSet: the variant cannot drift from the shipped one."""
+    assert daemonset(DAEMONSET_WITHOUT_METRICS) == without_metrics(daemonset())
+    variant = set_gate(daemonset(DAEMONSET_WITHOUT_METRICS), "1")
+    assert all_violations([(DAEMONSET_WITHOUT_METRICS, variant)]) == []
+
+
+def test_rule_checker_flags_a_variant_probe_that_is_not_hostpid_probe() -> None:
+    variant = set_gate(daemonset(DAEMONSET_WITHOUT_METRICS), "1")
+    broker_container(variant)["livenessProbe"]["exec"]["command"] = ["true"]
+    problems = all_violations([(DAEMONSET_WITHOUT_METRICS, variant)])
+    assert any("livenessProbe must be exec" in problem for problem in problems), problems
 
 
 @pytest.mark.parametrize("case", sorted(BROKEN_DAEMONSETS))
@@ -750,7 +801,12 @@ def test_containerfile_installs_the_package_and_runs_the_broker() -> None:
         assert (REPO / source).exists(), f"COPY {source}: not in the build context"
     assert {"setup.cfg", "hostpid", "twisted"} <= set(copied), "what pip install . needs"
     (install,) = [args for keyword, args in instructions if keyword == "RUN"]
-    assert 'pip install ".[metrics]"' in install, "--metrics needs prometheus-client"
+    assert install.startswith("pip install . "), "the package, with its dependencies"
+    assert "[" not in install.split("&&")[0], "no extra: setup.cfg declares none for the broker"
+    # --metrics needs prometheus-client: a dependency of the package itself.
+    setup = configparser.ConfigParser()
+    setup.read(REPO / "setup.cfg")
+    assert "prometheus-client" in setup["options"]["install_requires"].split()
     # The DaemonSet states the same command explicitly.
     assert broker_container(daemonset())["command"] == argv
 
@@ -850,6 +906,66 @@ def test_daemonset_container_serves_its_probes_as_root_without_capabilities(
         else:
             assert "disabled" in body
         assert broker.terminate() == -signal.SIGTERM, broker.output()
+
+
+@pytest.mark.parametrize("gate", ["0", "1"])
+def test_variant_exec_probes_judge_the_broker_as_root_without_capabilities(gate: str) -> None:
+    """
+    The variant without metrics, run as its container would be: its broker
+    on the default directory (in a private mount namespace whose /run is a
+    tmpfs, the directory made by kubelet's DirectoryOrCreate as root 0755),
+    root with every capability dropped; its exec probe command, run the same
+    way in the same namespace, passes while the broker serves (gate "1") or
+    is disabled (gate "0", the probe skipped), and fails once a gate-on broker
+    is gone.
+    """
+    hostpid_script = Path(sys.executable).parent / "hostpid"
+    assert hostpid_script.exists(), "the hostpid console script of this environment"
+    container = broker_container(set_gate(daemonset(DAEMONSET_WITHOUT_METRICS), gate))
+    env = subprocess_env({var["name"]: var["value"] for var in container["env"]})
+    env["PATH"] = f"{hostpid_script.parent}{os.pathsep}{env.get('PATH', os.defpath)}"
+    commands = {container[kind]["exec"]["command"][-1] for kind in
+                ("livenessProbe", "readinessProbe")}
+    assert len(commands) == 1
+    probe = container["livenessProbe"]["exec"]["command"]
+
+    with DefaultLayout() as layout:
+        prefix = [*layout.prefix, *restricted_prefix()]
+        layout.seen_from_here(BROKER_DIRECTORY).mkdir(parents=True, mode=0o755)
+
+        def run_probe() -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [*prefix, *probe], env=env, capture_output=True, text=True, timeout=60,
+                cwd=tempfile.gettempdir(),
+            )
+
+        argv = from_working_tree(container_argv(container))
+        with running([*prefix, *argv], env) as broker:
+            if gate == "1":
+                seen = layout.seen_from_here(f"{BROKER_DIRECTORY}/broker.sock")
+                wait_for(lambda: broker.alive() and ask_pid(seen) == os.getpid(), "serving")
+            else:
+                wait_for(lambda: broker.alive() and "disabled" in broker.output(), "disabled")
+            healthy = run_probe()
+            assert healthy.returncode == 0, healthy.stderr
+            if gate == "1":
+                assert re.fullmatch(
+                    rf"{BROKER_DIRECTORY}/broker.sock: ok: answered PID \d+ \(this process\); "
+                    r"socket, uid 0, mode 0666\n",
+                    healthy.stdout,
+                ), healthy.stdout
+            else:
+                assert healthy.stdout == "", "skipped: a disabled broker serves nothing"
+            assert broker.terminate() == -signal.SIGTERM, broker.output()
+        after = run_probe()
+        if gate == "1":
+            assert after.returncode == 1
+            assert after.stderr == (
+                f"hostpid probe: socket check failed: {BROKER_DIRECTORY}/broker.sock: "
+                "cannot lstat: ENOENT (No such file or directory)\n"
+            )
+        else:
+            assert after.returncode == 0
 
 
 # --- the systemd unit ------------------------------------------------------------------

@@ -95,12 +95,17 @@ def open_broker_directory(path: str, expected_uid: int) -> int:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise BrokerStartupError(
-                path, "is a symlink; the broker directory must be a real directory"
-            ) from None
-        if e.errno == errno.ENOTDIR:
-            kind = _describe(os.lstat(path).st_mode)
+        # O_DIRECTORY | O_NOFOLLOW on a symlink fails with ENOTDIR, not ELOOP,
+        # when its target is a directory: look at what is there to say which.
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            try:
+                kind = _describe(os.lstat(path).st_mode)
+            except OSError:
+                kind = "a symlink" if e.errno == errno.ELOOP else "not a directory"
+            if kind == "a symlink":
+                raise BrokerStartupError(
+                    path, "is a symlink; the broker directory must be a real directory"
+                ) from None
             raise BrokerStartupError(
                 path, f"is {kind}; the broker directory must be a directory"
             ) from None

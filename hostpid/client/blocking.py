@@ -16,6 +16,7 @@ caller falls back to its existing discovery path.
 from __future__ import annotations
 
 import math
+import os
 import select
 import socket
 import time
@@ -24,7 +25,7 @@ from collections.abc import Callable, Mapping
 import attrs
 from twisted.logger import Logger
 
-from hostpid import wire
+from hostpid import defaults, wire
 from hostpid.client.trust import (
     CHECKS,
     CONNECT,
@@ -48,6 +49,7 @@ from hostpid.client.trust import (
     check_read_only,
     check_reply,
     check_socket,
+    checked_path,
     host_pid_from_reply,
     inspect_layout,
     os_error_text,
@@ -59,7 +61,8 @@ __all__ = [
     "PEER_UID", "READ_ONLY_MOUNT", "REPLY", "SOCKET", "STRICT", "CheckResult",
     "HostPidUnavailable", "Layout", "TrustPolicy", "check_directory", "check_gate",
     "check_peer", "check_read_only", "check_reply", "check_socket", "doctor",
-    "host_pid_from_reply", "inspect_layout", "lookup_host_pid", "query_host_pid",
+    "host_pid_from_reply", "inspect_layout", "lookup_host_pid", "probe", "ProbeReport",
+    "query_host_pid", "checked_path",
 ]
 
 #: Backoff between connect attempts while the accept queue is full.
@@ -181,6 +184,16 @@ def query_host_pid(
     @param environ: where to read the gate (default: C{os.environ}).
     @raise HostPidUnavailable: a check or stage failed; C{check} names it.
     """
+    return _transaction(policy, environ)[0]
+
+
+def _transaction(
+    policy: TrustPolicy, environ: Mapping[str, str] | None
+) -> tuple[int, tuple[CheckResult, ...]]:
+    """
+    One checked transaction: the PID the reply carried and the filesystem
+    checks' verdicts (for a caller that reports what it checked).
+    """
     policy.require(check_gate(environ))
     layout = inspect_layout(policy)
     try:
@@ -196,11 +209,58 @@ def query_host_pid(
                 credentials = error
             policy.require(check_peer(credentials, policy.trusted_uid))
             connection.send(wire.GET_HOST_PID_REQUEST)
-            return host_pid_from_reply(connection.receive(wire.RESPONSE_SIZE))
+            pid = host_pid_from_reply(connection.receive(wire.RESPONSE_SIZE))
+            return pid, layout.results
         finally:
             connection.close()
     finally:
         layout.close()
+
+
+@attrs.frozen
+class ProbeReport:
+    """
+    A healthy broker, as L{probe} saw it.
+
+    @ivar socket_path: the socket probed.
+    @ivar pid: the PID the broker answered: this process's own.
+    @ivar socket: the C{socket} check's verdict (type, owner UID and mode).
+    """
+
+    socket_path: str
+    pid: int
+    socket: CheckResult
+
+
+def probe(
+    socket_path: str = defaults.BROKER_SOCKET,
+    deadline: float = defaults.DEADLINE,
+    environ: Mapping[str, str] | None = None,
+) -> ProbeReport:
+    """
+    The operator's check that a broker serves: one transaction from the host
+    (or the broker's own container, which shares the host PID namespace),
+    passing only when the reply has status 0 and names this very process.
+
+    Every trust check applies but C{read-only-mount}: the broker directory is
+    writable where the broker and its operator are, and read-only only in a
+    workload's mount.  A workload's question is L{query_host_pid}, not this.
+
+    @raise HostPidUnavailable: a check or stage failed, or the broker
+        answered another PID (check C{reply}).
+    @raise ValueError: C{deadline} is not a positive number of seconds.
+    """
+    policy = TrustPolicy(socket_path=socket_path, deadline=deadline).without(READ_ONLY_MOUNT)
+    pid, results = _transaction(policy, environ)
+    own = os.getpid()
+    if pid != own:
+        raise HostPidUnavailable(
+            REPLY,
+            f"answered PID {pid}, not this process's PID {own} "
+            "(a probe must run in the broker's PID namespace)",
+        )
+    (socket_result,) = (result for result in results if result.name == SOCKET)
+    return ProbeReport(socket_path=policy.socket_path, pid=pid, socket=socket_result)
 
 
 def lookup_host_pid(

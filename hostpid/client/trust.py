@@ -280,6 +280,20 @@ def check_reply(data: bytes) -> CheckResult:
     return CheckResult(REPLY, True, f"host PID {response.pid}")
 
 
+def checked_path(check: str, socket_path: str) -> str | None:
+    """
+    The path a failure of C{check} is about, for a message that names it:
+    the directory for C{directory} and C{read-only-mount}, the socket for the
+    socket and everything after it, none for the C{gate} (an environment
+    variable, not a path).
+    """
+    if check == GATE:
+        return None
+    if check in (DIRECTORY, READ_ONLY_MOUNT):
+        return os.path.dirname(socket_path) or "."
+    return socket_path
+
+
 def host_pid_from_reply(data: bytes) -> int:
     """
     The PID in a reply that passes L{check_reply}.

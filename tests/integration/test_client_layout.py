@@ -188,7 +188,10 @@ def test_doctor_and_query_in_a_read_write_layout(
     with in_layout(broker, tmp_path / "q", work, "rw", "query") as (results, _):
         [result] = results
         assert (result["status"], result["stdout"]) == (1, "")
-        assert result["stderr"] == "hostpid query: read-only-mount check failed: read-write mount\n"
+        assert result["stderr"] == (
+            "hostpid query: read-only-mount check failed: /tmp/vgpulock/hostpid: "
+            "read-write mount\n"
+        )
 
 
 def test_c_client_in_the_production_layout(

@@ -1,0 +1,226 @@
+"""
+The examples in C{README.md} and C{docs/*.md} are true: each shell and
+Python example runs on this machine, as written, and passes.
+
+The rules (a doc that breaks one fails CI):
+
+- Every code block is fenced and names its language.  C{sh}, C{bash},
+  C{shell} and C{python} blocks are examples; C{text} (output, synopses),
+  C{ini}, C{yaml}, C{json}, C{go}, C{c}, C{promql} and the like are shown,
+  never run.  An indented code block or a fence with no language could hide a
+  command that is never tried, so neither is allowed.
+- An example that cannot run here (it needs a cluster, systemd, a GPU node, a
+  registry, a running production broker, or runs until stopped) says so on
+  the line right before its fence: C{<!-- not-runnable: REASON -->}, with a
+  reason.  L{test_not_runnable_examples_say_why} lists them all (run pytest
+  with C{-rP}, or read the C{not_runnable} property in a junit report).
+- Every other example runs in a scratch directory with a time limit: shell
+  with C{bash -euo pipefail}, Python with this interpreter, both with the
+  working tree first on C{PYTHONPATH} and this environment's C{bin} (its
+  C{hostpid} and C{twistd}) first on C{PATH}, and must exit 0.  The tests
+  run as root in CI, as the docs' examples say they do.
+
+The README's two commands are marked (one runs a foreground server, the other
+the whole suite) and tested here otherwise: the test command is what
+C{.ci/run} runs, verbatim; the run command's C{twistd} line is run with a
+private C{--directory} and must serve.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import attrs
+import pytest
+from markdown_it import MarkdownIt
+from support import REPO, WAIT_SECONDS, ask_pid, subprocess_env, wait_for
+
+#: Languages whose blocks are examples, and how each is run.
+RUNNABLE = {"sh": "shell", "bash": "shell", "shell": "shell", "python": "python"}
+#: Languages shown, never run.
+SHOWN = frozenset({"text", "ini", "yaml", "json", "go", "c", "promql", "diff", "toml"})
+MARKER = re.compile(r"<!--\s*not-runnable:(.*?)-->")
+#: Seconds one example may take.
+EXAMPLE_TIMEOUT = 120
+
+
+def documents() -> list[Path]:
+    """Whatever docs exist when the suite runs (others are added over time)."""
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+@attrs.frozen
+class Block:
+    path: Path
+    line: int
+    language: str
+    code: str
+    reason: str | None
+
+    @property
+    def where(self) -> str:
+        return f"{self.path.relative_to(REPO)}:{self.line}"
+
+
+def parse(path: Path) -> tuple[list[Block], list[str]]:
+    """The fenced blocks of C{path}, and every breach of the rules above."""
+    text = path.read_text()
+    lines = text.splitlines()
+    blocks: list[Block] = []
+    problems: list[str] = []
+    for token in MarkdownIt("commonmark").parse(text):
+        if token.type not in ("fence", "code_block") or token.map is None:
+            continue
+        first = token.map[0]
+        where = f"{path.relative_to(REPO)}:{first + 1}"
+        if token.type == "code_block":
+            problems.append(f"{where}: an indented code block: fence it and name its language")
+            continue
+        language = token.info.split()[0] if token.info.strip() else ""
+        previous = lines[first - 1].strip() if first > 0 else ""
+        marked = MARKER.fullmatch(previous)
+        reason = marked.group(1).strip() if marked else None
+        if not language:
+            problems.append(
+                f"{where}: a fence with no language (sh or python for an example, text "
+                "for output or a synopsis)"
+            )
+        elif language not in RUNNABLE and language not in SHOWN:
+            problems.append(f"{where}: language {language!r} is neither an example nor shown")
+        elif language in SHOWN and marked:
+            problems.append(f"{where}: a {language} block is never run: drop the marker")
+        blocks.append(Block(path, first + 1, language, token.content, reason))
+    return blocks, problems
+
+
+def all_blocks() -> list[Block]:
+    return [block for path in documents() for block in parse(path)[0]]
+
+
+def examples() -> list[Block]:
+    return [block for block in all_blocks() if block.language in RUNNABLE]
+
+
+def runnable() -> list[Block]:
+    return [block for block in examples() if block.reason is None]
+
+
+def not_runnable() -> list[Block]:
+    return [block for block in examples() if block.reason is not None]
+
+
+def test_every_code_block_declares_itself() -> None:
+    problems = [problem for path in documents() for problem in parse(path)[1]]
+    assert problems == [], "\n".join(problems)
+
+
+def test_not_runnable_examples_say_why(record_property: pytest.RecordProperty) -> None:
+    marked = not_runnable()
+    listing = [f"{block.where} [{block.language}]: {block.reason}" for block in marked]
+    record_property("not_runnable", "\n".join(listing))
+    print("examples not run here, and why:", *listing, sep="\n  ")
+    assert marked, "the README's two commands at least are marked"
+    assert all(block.reason for block in marked), "\n".join(listing)
+
+
+def test_there_are_examples_to_run() -> None:
+    """The parametrized test below would pass vacuously on an empty list."""
+    assert len(runnable()) >= 3, [block.where for block in runnable()]
+
+
+def environment(scratch: Path) -> dict[str, str]:
+    """The working tree first on PYTHONPATH; this environment's bin first on PATH."""
+    env = subprocess_env()
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env.pop("LIBVGPU_HOSTPID_BROKER", None)
+    env["HOME"] = str(scratch)
+    env["TMPDIR"] = str(scratch)
+    return env
+
+
+@pytest.mark.parametrize("block", runnable(), ids=lambda block: block.where)
+def test_example_runs_as_written(block: Block, tmp_path: Path) -> None:
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    if RUNNABLE[block.language] == "shell":
+        argv = ["bash", "-euo", "pipefail", "-c", block.code]
+    else:
+        script = scratch / "example.py"
+        script.write_text(block.code)
+        argv = [sys.executable, str(script)]
+    done = subprocess.run(
+        argv, cwd=scratch, env=environment(scratch), capture_output=True, text=True,
+        timeout=EXAMPLE_TIMEOUT, stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 0, (
+        f"{block.where} exited {done.returncode}\n--- stdout\n{done.stdout}"
+        f"--- stderr\n{done.stderr}"
+    )
+
+
+# --- The README's two commands. ---
+
+
+def readme_commands() -> tuple[str, str]:
+    """The README's run command and test command (its first two examples)."""
+    blocks, _ = parse(REPO / "README.md")
+    commands = [block.code.strip() for block in blocks if block.language in RUNNABLE]
+    assert len(commands) == 2, commands
+    return commands[0], commands[1]
+
+
+def test_readme_test_command_is_what_ci_runs() -> None:
+    _, test_command = readme_commands()
+    ci = (REPO / ".ci" / "run").read_text().splitlines()
+    assert test_command in ci, ".ci/run must run the README's test command verbatim"
+    assert ci[ci.index(test_command) - 1] == "# The README's test command, verbatim:"
+
+
+@pytest.fixture
+def private_directory(tmp_path: Path) -> Iterator[Path]:
+    yield tmp_path / "hostpid"
+
+
+def test_readme_run_command_serves(private_directory: Path) -> None:
+    """
+    The run command is C{venv && install && twistd ...}: the first two are
+    the test command's (which CI runs); the third, run from this environment
+    with a private C{--directory}, serves, and stops on SIGTERM as documented.
+    """
+    run_command, test_command = readme_commands()
+    venv, install, broker = run_command.split(" && ")
+    assert venv == test_command.split(" && ")[0] == "python3 -m venv .venv"
+    assert install == ".venv/bin/python -m pip install ."
+    assert broker.startswith("LIBVGPU_HOSTPID_BROKER=1 .venv/bin/twistd ")
+    here = broker.replace(".venv/bin/twistd", str(Path(sys.executable).parent / "twistd"), 1)
+    command = f"exec env {here} --directory {private_directory}"
+    env = environment(private_directory.parent)
+    process = subprocess.Popen(
+        ["bash", "-euo", "pipefail", "-c", command], env=env, cwd=private_directory.parent,
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        socket_path = private_directory / "broker.sock"
+
+        def serving() -> bool:
+            assert process.poll() is None, process.communicate()[0]
+            try:
+                return ask_pid(socket_path) == os.getpid()
+            except OSError:
+                return False
+
+        wait_for(serving, f"the README's broker at {socket_path}")
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=WAIT_SECONDS)
+        assert process.returncode == -signal.SIGTERM, output
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert not socket_path.exists()
