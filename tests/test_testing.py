@@ -157,7 +157,8 @@ class TestPolicy:
 
     def test_the_gate_still_applies(self) -> None:
         with FakeBroker() as broker:
-            assert hostpid.lookup_host_pid(broker.policy, {"LIBVGPU_HOSTPID_BROKER": "true"}) is None
+            off = {"LIBVGPU_HOSTPID_BROKER": "true"}
+            assert hostpid.lookup_host_pid(broker.policy, off) is None
             assert broker.connections == 0
 
 
@@ -327,8 +328,9 @@ def run_downstream(source: str, module: str, runner: str, public_tmp: Path) -> N
     }[runner]
     env = subprocess_env(HOME=str(work), TMPDIR=str(scratch), PYTHONDONTWRITEBYTECODE="1")
     env.pop("LIBVGPU_HOSTPID_BROKER", None)
-    check = "import os, sys; sys.exit(os.geteuid() != {0} or os.getuid() != {0})".format(USER)
-    assert subprocess.run(as_user_argv(USER, [sys.executable, "-c", check]), env=env).returncode == 0
+    check = f"import os, sys; sys.exit(os.geteuid() != {USER} or os.getuid() != {USER})"
+    whoami = subprocess.run(as_user_argv(USER, [sys.executable, "-c", check]), env=env)
+    assert whoami.returncode == 0, f"the downstream run would not be UID {USER}"
     result = subprocess.run(
         as_user_argv(USER, argv), cwd=work, env=env, stdin=subprocess.DEVNULL,
         capture_output=True, text=True, timeout=300,

@@ -75,7 +75,9 @@ def test_bad_option_exits_non_zero_with_a_message(
     assert not (tmp_path / "broker").exists()
 
 
-def run_twistd(*broker_args: str, argv_prefix: Sequence[str] = ()) -> subprocess.CompletedProcess[str]:
+def run_twistd(
+    *broker_args: str, argv_prefix: Sequence[str] = ()
+) -> subprocess.CompletedProcess[str]:
     """A twistd broker run to its end, standard output and error kept apart."""
     return subprocess.run(
         [*argv_prefix, *twistd_argv(*broker_args)],
@@ -116,7 +118,8 @@ def test_symlinked_directory_refusal_alone_on_stderr(tmp_path: Path) -> None:
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "broker").symlink_to(tmp_path / "elsewhere")
     result = run_twistd("--directory", str(tmp_path / "broker"))
-    assert result.stderr.startswith(f"hostpid-broker: cannot start: {tmp_path}/broker: is a symlink")
+    refused = f"hostpid-broker: cannot start: {tmp_path}/broker: is a symlink"
+    assert result.stderr.startswith(refused)
     assert result.stderr.count("\n") == 1
     assert_refused_alone_on_stderr(result, result.stderr.rstrip("\n"))
 
