@@ -6,11 +6,13 @@ caller its own host PID as the kernel reports it (C{SO_PEERCRED}); a client
 that applies HAMi-core's trust rules; and the allocation-side helpers that
 prepare C{/tmp/vgpulock} and patch a kubelet allocation response.
 
-The public API is the names in L{__all__} (documented in C{docs/api.md});
-every module below is internal and may move.  The names are imported on
-first use: C{import hostpid} loads nothing else, so a workload that only
-wants the blocking client never pays for the broker's modules, and nothing
-here installs a Twisted reactor.  The test double is C{hostpid.testing}.
+The public API is the names in L{__all__}, the test double
+C{hostpid.testing.FakeBroker} and the embedding helpers of
+C{hostpid.broker.refusal} (all documented in C{docs/api.md}); every other
+module and name is internal and may move.  The names are imported on first
+use: C{import hostpid} loads nothing else, so a workload that only wants the
+blocking client never pays for the broker's modules, and nothing here
+installs a Twisted reactor.
 """
 
 from __future__ import annotations
