@@ -80,9 +80,9 @@ def refuse_in_one_line(stream: TextIO | None = None) -> Iterator[None]:
     except PathRuleError as error:
         line = refusal_line(error)
         assert line is not None
-        _log.critical(
-            "{refusal}", refusal=line, path=error.path, rule=error.rule
-        )
+        # Level error, not critical: before twistd begins logging, Twisted
+        # copies critical events to stderr, which must carry the line alone.
+        _log.error("{refusal}", refusal=line, path=error.path, rule=error.rule)
         _write_line(line, stream)
         raise SystemExit(REFUSED_EXIT_STATUS) from None
 

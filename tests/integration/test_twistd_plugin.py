@@ -213,3 +213,31 @@ print("socket left", os.path.exists({str(directory / "broker.sock")!r}))
     assert result.returncode == 0, result.stderr
     assert "answered True" in result.stdout
     assert "socket left False" in result.stdout
+
+
+def test_refusal_while_building_the_service_alone_on_stderr(tmp_path: Path) -> None:
+    """
+    A refusal raised while the plugin builds its services (before twistd
+    begins logging, where a bad option value would be refused) takes the
+    same path: one line on stderr, exit 1.
+    """
+    code = (
+        "import hostpid.broker.tap as tap\n"
+        "from hostpid.errors import PathRuleError\n"
+        "def refuse(**options):\n"
+        "    raise PathRuleError('--example', 'refused while building the service')\n"
+        "tap.BrokerService = refuse\n"
+        "from twisted.scripts.twistd import run\n"
+        "run()\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, "--nodaemon", "--pidfile=", "hostpid-broker",
+         "--directory", str(tmp_path / "broker")],
+        env=subprocess_env(LIBVGPU_HOSTPID_BROKER="1"), stdin=subprocess.DEVNULL,
+        capture_output=True, text=True, timeout=60, cwd=tempfile.gettempdir(),
+    )
+    assert result.returncode == 1, result
+    assert result.stderr == (
+        "hostpid-broker: cannot start: --example: refused while building the service\n"
+    )
+    assert "Traceback" not in result.stdout
