@@ -19,7 +19,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest_twisted  # type: ignore[import-untyped]
 from support import REPO, TWISTD, WAIT_SECONDS, ask_pid, subprocess_env, wait_for
+from twisted.application.service import MultiService
+from twisted.internet.defer import maybeDeferred
+
+from hostpid import BrokerService
 
 EXAMPLE = REPO / "docs" / "examples" / "broker-with-web.tac"
 EMBEDDING_DOC = REPO / "docs" / "embedding.md"
@@ -151,3 +156,44 @@ def test_the_doc_shows_the_example_file() -> None:
     )
     assert found, "docs/embedding.md does not show the example"
     assert found.group(1) == EXAMPLE.read_text()
+
+
+@pytest_twisted.ensureDeferred
+async def test_on_fatal_is_yours(tmp_path: Path, clean_reactor: None) -> None:
+    """
+    With onFatal the process goes on: called once, the broker stays failed,
+    and stopping it still releases the lock (a new broker can start).
+    """
+    from twisted.internet import reactor
+    from twisted.internet.task import deferLater
+
+    directory = str(tmp_path / "broker")
+    calls: list[bool] = []
+    top = MultiService()
+    broker = BrokerService(
+        directory=directory, reactor=reactor, environ={"LIBVGPU_HOSTPID_BROKER": "1"},
+        onFatal=lambda: calls.append(broker.ready()), watchInterval=0.01,
+    )
+    broker.setServiceParent(top)
+    top.startService()
+    try:
+        assert broker.ready()
+        os.unlink(broker.socketPath)
+        for _ in range(int(WAIT_SECONDS / 0.01)):
+            if calls:
+                break
+            await deferLater(reactor, 0.01, lambda: None)
+        assert calls == [False]
+        assert broker.failed and not broker.ready()
+    finally:
+        await maybeDeferred(top.stopService)
+    assert calls == [False], "called once"
+    again = BrokerService(
+        directory=directory, reactor=reactor, environ={"LIBVGPU_HOSTPID_BROKER": "1"},
+        onFatal=lambda: None,
+    )
+    again.startService()
+    try:
+        assert again.ready()
+    finally:
+        await maybeDeferred(again.stopService)
