@@ -158,7 +158,19 @@ def layer(module: str) -> tuple[str, str]:
     raise AssertionError(f"{module}: not in any layer; add it to tests/test_layout.py")
 
 
+#: Known edges across sides, each with its reason.  Keep this short: an edge
+#: here is a design decision someone has to be able to defend.
+ALLOWED = {
+    # --cdi-dir: the broker writes the node side's CDI spec at startup, so
+    # the spec is back after a reboot clears /var/run/cdi (issue: CDI).
+    ("hostpid.broker.service", "hostpid.node.cdi"),
+    ("hostpid.broker.service", "hostpid.node.cdiwrite"),
+}
+
+
 def layering_problem(item: Import) -> str | None:
+    if (item.module, item.target) in ALLOWED:
+        return None
     here, there = layer(item.module), layer(item.target)
     where = f"{item.module}:{item.line}: imports {item.target}"
     if item.target == "hostpid":

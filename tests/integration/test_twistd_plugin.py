@@ -241,3 +241,18 @@ def test_refusal_while_building_the_service_alone_on_stderr(tmp_path: Path) -> N
         "hostpid-broker: cannot start: --example: refused while building the service\n"
     )
     assert "Traceback" not in result.stdout
+
+
+def test_cdi_refusal_alone_on_stderr(tmp_path: Path) -> None:
+    """The CDI issue's refusals take the same path (every PathRuleError does)."""
+    require_root()
+    (tmp_path / "real-cdi").mkdir()
+    (tmp_path / "cdi").symlink_to(tmp_path / "real-cdi")
+    result = run_twistd(
+        "--directory", str(tmp_path / "broker"), "--cdi-dir", str(tmp_path / "cdi"),
+        "--lock-parent", str(tmp_path / "vgpulock"),
+    )
+    assert result.stderr.startswith(f"hostpid-broker: cannot start: {tmp_path}/cdi: "), result
+    assert result.stderr.count("\n") == 1
+    assert_refused_alone_on_stderr(result, result.stderr.rstrip("\n"))
+    assert list((tmp_path / "real-cdi").iterdir()) == []
