@@ -15,6 +15,10 @@ from pathlib import Path
 
 import pytest
 
+#: A downstream project's test module, run on purpose by tests/test_testing.py
+#: under trial and pytest as another UID; not part of this suite's collection.
+collect_ignore = ["downstream"]
+
 
 @pytest.fixture
 def broker_dir(tmp_path: Path) -> Path:

@@ -484,14 +484,14 @@ class TestTransportRules:
         self, directory: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         made: list[tuple[socket.socket, bool, bool]] = []
-        original = client._new_socket
+        original = client.new_socket
 
         def recording() -> socket.socket:
             sock = original()
             made.append((sock, sock.getblocking(), sock.get_inheritable()))
             return sock
 
-        monkeypatch.setattr(client, "_new_socket", recording)
+        monkeypatch.setattr(client, "new_socket", recording)
         with fake_broker(directory, response(pid=5)):
             assert client.query_host_pid(relaxed(directory), ENABLED) == 5
         [(sock, blocking, inheritable)] = made

@@ -5,8 +5,6 @@ C{twistd hostpid-broker}: options and service construction, nothing more.
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from twisted.application import strports
@@ -16,6 +14,7 @@ from twisted.python import usage
 
 from hostpid import defaults
 from hostpid.broker.fsrules import BrokerStartupError
+from hostpid.broker.refusal import RefuseInOneLine, refuse_in_one_line
 from hostpid.broker.sdnotify import ReadinessNotifier
 from hostpid.broker.service import BrokerService
 
@@ -70,35 +69,28 @@ class Options(usage.Options):
     ]
 
 
-class _ExitOnStartupError(MultiService):
+class _ExitOnStartupError(RefuseInOneLine):
     """
-    Turn a refused startup into one line on stderr and a non-zero exit,
-    instead of a traceback: the message names the path and the rule broken.
+    The plugin's top service: a refused startup is one line on stderr and
+    exit status 1 (L{RefuseInOneLine}), the metrics port's
+    C{CannotListenError} included, since twistd binds it here too.
     """
 
     def privilegedStartService(self) -> None:
         """twistd binds endpoint services (the metrics port) here, before startService."""
-        with _oneLineRefusal():
-            super().privilegedStartService()
+        with refuse_in_one_line():
+            try:
+                MultiService.privilegedStartService(self)
+            except CannotListenError as e:
+                raise BrokerStartupError("metrics endpoint", str(e)) from None
 
     def startService(self) -> None:
-        with _oneLineRefusal():
-            super().startService()
+        super().startService()
         # Everything imported and built so far lives as long as the process.
         # Freezing it keeps the cyclic collector from walking those few
         # hundred thousand objects again and again: a full collection is a
         # pause of tens of milliseconds in which no caller is answered.
         gc.freeze()
-
-
-@contextmanager
-def _oneLineRefusal() -> Iterator[None]:
-    try:
-        yield
-    except BrokerStartupError as e:
-        raise SystemExit(f"hostpid-broker: cannot start: {e}") from None
-    except CannotListenError as e:
-        raise SystemExit(f"hostpid-broker: cannot start: metrics endpoint: {e}") from None
 
 
 def makeService(options: Options | dict[str, Any]) -> IService:
@@ -107,6 +99,11 @@ def makeService(options: Options | dict[str, Any]) -> IService:
     startup before the broker creates its socket; then the broker; then the
     systemd notifier, which so runs once the broker listens.
     """
+    with refuse_in_one_line():
+        return _makeService(options)
+
+
+def _makeService(options: Options | dict[str, Any]) -> IService:
     top = _ExitOnStartupError()
     broker = BrokerService(
         directory=options["directory"],

@@ -26,6 +26,7 @@ import attrs
 from twisted.logger import Logger
 
 from hostpid import defaults, wire
+from hostpid.client.connect import FIRST_BACKOFF, new_socket, next_backoff, try_connect
 from hostpid.client.trust import (
     CHECKS,
     CONNECT,
@@ -65,38 +66,7 @@ __all__ = [
     "query_host_pid", "checked_path",
 ]
 
-#: Backoff between connect attempts while the accept queue is full.
-FIRST_BACKOFF = 0.001
-LAST_BACKOFF = 0.010
-
 _log = Logger()
-
-
-def _next_backoff(delay: float) -> float:
-    """1 ms, doubling, at most 10 ms: short enough to catch a draining queue."""
-    return min(delay * 2, LAST_BACKOFF)
-
-
-def _try_connect(sock: socket.socket, address: str) -> bool:
-    """
-    One non-blocking connect attempt: C{True} when connected, C{False} when
-    the accept queue is full (retry later).
-
-    @raise HostPidUnavailable: the kernel refused for any other reason.
-    """
-    try:
-        sock.connect(address)
-    except BlockingIOError:
-        return False
-    except OSError as error:
-        raise HostPidUnavailable(CONNECT, os_error_text(error)) from None
-    return True
-
-
-def _new_socket() -> socket.socket:
-    return socket.socket(
-        socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC
-    )
 
 
 # --- The blocking transport. ---
@@ -113,7 +83,7 @@ class _BlockingConnection:
         self._seconds = seconds
         self._clock = clock
         self._deadline = clock() + seconds
-        self.sock = _new_socket()
+        self.sock = new_socket()
 
     def close(self) -> None:
         self.sock.close()
@@ -135,12 +105,12 @@ class _BlockingConnection:
 
     def connect(self, address: str) -> None:
         delay = FIRST_BACKOFF
-        while not _try_connect(self.sock, address):
+        while not try_connect(self.sock, address):
             left = self._left()
             if left <= 0:
                 raise self._passed("while connecting: accept queue full (EAGAIN)")
             time.sleep(min(delay, left))
-            delay = _next_backoff(delay)
+            delay = next_backoff(delay)
 
     def send(self, data: bytes) -> None:
         sent = 0

@@ -17,7 +17,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from hostpid import wire
-from hostpid.client.blocking import FIRST_BACKOFF, _new_socket, _next_backoff, _try_connect
+from hostpid.client.connect import FIRST_BACKOFF, new_socket, next_backoff, try_connect
 from hostpid.client.trust import (
     CONNECT,
     DEADLINE,
@@ -162,6 +162,7 @@ class _TwistedTransaction:
         self._deadline: _DelayedCall | None = None
         self._delay = FIRST_BACKOFF
         self._address = ""
+        self._adopted = False
         self._outcome: int | Failure | None = None
         self.deferred: Deferred[int] = Deferred(lambda _: self._cancelled())
 
@@ -169,7 +170,7 @@ class _TwistedTransaction:
         self._deadline = self._clock.callLater(self.policy.deadline, self._deadline_passed)
         try:
             self._address = self._layout.address()
-            self._sock = _new_socket()
+            self._sock = new_socket()
         except OSError as error:
             self.fail(HostPidUnavailable(CONNECT, os_error_text(error)))
             return self.deferred
@@ -182,13 +183,13 @@ class _TwistedTransaction:
         if sock is None:
             return
         try:
-            connected = _try_connect(sock, self._address)
+            connected = try_connect(sock, self._address)
         except HostPidUnavailable as problem:
             self.fail(problem)
             return
         if not connected:
             self._retry = self._clock.callLater(self._delay, self._attempt)
-            self._delay = _next_backoff(self._delay)
+            self._delay = next_backoff(self._delay)
             return
         self._layout.close()
         factory = Factory.forProtocol(lambda: _ReplyProtocol(self))
@@ -198,6 +199,8 @@ class _TwistedTransaction:
             )
         except Exception as error:
             self.fail(HostPidUnavailable(CONNECT, f"cannot adopt the connection: {error}"))
+        else:
+            self._adopted = True
         finally:
             sock.close()
             self._sock = None
@@ -207,13 +210,22 @@ class _TwistedTransaction:
 
     def _deadline_passed(self) -> None:
         self._deadline = None
-        if self._protocol is None:
-            doing = "while connecting: accept queue full (EAGAIN)"
-        else:
+        if self._protocol is not None:
             doing = (
                 f"waiting for the reply ({len(self._protocol.buffer)} of "
                 f"{wire.RESPONSE_SIZE} bytes)"
             )
+        elif self._adopted:
+            # Connected and handed over, but the reactor never ran the
+            # connection: a MemoryReactor records adopted connections and
+            # does nothing else.  Say so instead of blaming the broker.
+            doing = (
+                "after connecting: the reactor never started the connection it adopted "
+                "(a MemoryReactor never does; use a real reactor, e.g. against "
+                "hostpid.testing.FakeBroker)"
+            )
+        else:
+            doing = "while connecting: accept queue full (EAGAIN)"
         self.fail(HostPidUnavailable(DEADLINE, f"{self.policy.deadline:g} s passed {doing}"))
 
     def _release(self) -> None:

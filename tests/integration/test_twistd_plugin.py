@@ -6,8 +6,11 @@ refusals (one clear line, non-zero exit) and signals.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,7 @@ from support import (
     as_user_argv,
     ask_pid,
     require_root,
+    running_broker,
     subprocess_env,
     twistd_argv,
     wait_for,
@@ -71,27 +75,89 @@ def test_bad_option_exits_non_zero_with_a_message(
     assert not (tmp_path / "broker").exists()
 
 
-def test_refusal_is_one_line_without_traceback(tmp_path: Path) -> None:
+def run_twistd(
+    *broker_args: str, argv_prefix: Sequence[str] = ()
+) -> subprocess.CompletedProcess[str]:
+    """A twistd broker run to its end, standard output and error kept apart."""
+    return subprocess.run(
+        [*argv_prefix, *twistd_argv(*broker_args)],
+        env=subprocess_env(LIBVGPU_HOSTPID_BROKER="1"),
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60,
+        cwd=tempfile.gettempdir(),
+    )
+
+
+def assert_refused_alone_on_stderr(result: subprocess.CompletedProcess[str], line: str) -> None:
+    """
+    The refusal as a supervisor shows it: exit 1, the one line alone on
+    stderr with no timestamp; the log (stdout under --nodaemon) keeps its
+    own record of the same line, and there is no traceback anywhere.
+    """
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert result.stderr == line + "\n", result.stdout
+    assert "Traceback" not in result.stdout + result.stderr
+    records = [entry for entry in result.stdout.splitlines() if "cannot start" in entry]
+    assert len(records) == 1, result.stdout
+    assert records[0].endswith("] " + line)
+
+
+def test_refusal_is_one_line_alone_on_stderr(tmp_path: Path) -> None:
     directory = tmp_path / "broker"
     directory.mkdir()
     (directory / "broker.sock").write_text("x")
-    with BrokerProcess(directory) as broker:
-        assert broker.wait_exit() == 1
-        output = broker.output()
-    assert "Traceback" not in output
-    lines = [line for line in output.splitlines() if "cannot start" in line]
-    assert len(lines) == 1
-    assert f"{directory}/broker.sock: is a regular file" in lines[0]
+    result = run_twistd("--directory", str(directory))
+    assert_refused_alone_on_stderr(
+        result,
+        f"hostpid-broker: cannot start: {directory}/broker.sock: is a regular file, not a "
+        "socket; refusing to replace it (left untouched)",
+    )
+    assert (directory / "broker.sock").read_text() == "x"
+
+
+def test_symlinked_directory_refusal_alone_on_stderr(tmp_path: Path) -> None:
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "broker").symlink_to(tmp_path / "elsewhere")
+    result = run_twistd("--directory", str(tmp_path / "broker"))
+    refused = f"hostpid-broker: cannot start: {tmp_path}/broker: is a symlink"
+    assert result.stderr.startswith(refused)
+    assert result.stderr.count("\n") == 1
+    assert_refused_alone_on_stderr(result, result.stderr.rstrip("\n"))
+
+
+def test_lock_held_refusal_alone_on_stderr(tmp_path: Path) -> None:
+    directory = tmp_path / "broker"
+    with running_broker(directory):
+        result = run_twistd("--directory", str(directory))
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"hostpid-broker: cannot start: {directory}/broker.lock: ")
+    assert result.stderr.count("\n") == 1
+    assert_refused_alone_on_stderr(result, result.stderr.rstrip("\n"))
+
+
+def test_metrics_port_in_use_refusal_alone_on_stderr(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_twistd(
+            "--directory", str(tmp_path / "broker"),
+            "--metrics", f"tcp:{port}:interface=127.0.0.1",
+        )
+    assert_refused_alone_on_stderr(
+        result,
+        f"hostpid-broker: cannot start: metrics endpoint: Couldn't listen on 127.0.0.1:{port}: "
+        "[Errno 98] Address already in use.",
+    )
+    assert not (tmp_path / "broker").exists()
 
 
 def test_default_directory_as_non_root_exits_non_zero() -> None:
     require_root()  # to become UID 1000
-    with BrokerProcess(None, argv_prefix=as_user_argv(1000, [])) as broker:
-        assert broker.wait_exit() == 1
-        output = broker.output()
-    assert (
-        "/var/run/hami/hostpid: the default broker directory requires effective UID 0 "
-        "(running as UID 1000)" in output
+    result = run_twistd(argv_prefix=as_user_argv(1000, []))
+    assert_refused_alone_on_stderr(
+        result,
+        "hostpid-broker: cannot start: /var/run/hami/hostpid: the default broker directory "
+        "requires effective UID 0 (running as UID 1000)",
     )
 
 
@@ -147,3 +213,46 @@ print("socket left", os.path.exists({str(directory / "broker.sock")!r}))
     assert result.returncode == 0, result.stderr
     assert "answered True" in result.stdout
     assert "socket left False" in result.stdout
+
+
+def test_refusal_while_building_the_service_alone_on_stderr(tmp_path: Path) -> None:
+    """
+    A refusal raised while the plugin builds its services (before twistd
+    begins logging, where a bad option value would be refused) takes the
+    same path: one line on stderr, exit 1.
+    """
+    code = (
+        "import hostpid.broker.tap as tap\n"
+        "from hostpid.errors import PathRuleError\n"
+        "def refuse(**options):\n"
+        "    raise PathRuleError('--example', 'refused while building the service')\n"
+        "tap.BrokerService = refuse\n"
+        "from twisted.scripts.twistd import run\n"
+        "run()\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, "--nodaemon", "--pidfile=", "hostpid-broker",
+         "--directory", str(tmp_path / "broker")],
+        env=subprocess_env(LIBVGPU_HOSTPID_BROKER="1"), stdin=subprocess.DEVNULL,
+        capture_output=True, text=True, timeout=60, cwd=tempfile.gettempdir(),
+    )
+    assert result.returncode == 1, result
+    assert result.stderr == (
+        "hostpid-broker: cannot start: --example: refused while building the service\n"
+    )
+    assert "Traceback" not in result.stdout
+
+
+def test_cdi_refusal_alone_on_stderr(tmp_path: Path) -> None:
+    """The CDI issue's refusals take the same path (every PathRuleError does)."""
+    require_root()
+    (tmp_path / "real-cdi").mkdir()
+    (tmp_path / "cdi").symlink_to(tmp_path / "real-cdi")
+    result = run_twistd(
+        "--directory", str(tmp_path / "broker"), "--cdi-dir", str(tmp_path / "cdi"),
+        "--lock-parent", str(tmp_path / "vgpulock"),
+    )
+    assert result.stderr.startswith(f"hostpid-broker: cannot start: {tmp_path}/cdi: "), result
+    assert result.stderr.count("\n") == 1
+    assert_refused_alone_on_stderr(result, result.stderr.rstrip("\n"))
+    assert list((tmp_path / "real-cdi").iterdir()) == []
