@@ -685,7 +685,7 @@ def test_racing_planter_never_fails_an_allocation(tree: Path, kind: str) -> None
             assert planter.stdout is not None
             assert planter.stdout.readline() == b"ready\n"
             if kind != "flapping":
-                wait_for(lambda: os.path.lexists(mountpoint), "the planter's first entry")
+                wait_for(lambda m=mountpoint: os.path.lexists(m), "the planter's first entry")
                 assert os.lstat(mountpoint).st_uid == WORKLOAD_UID
             try:
                 prepared = prepare(home, broker_enabled=True)
