@@ -9,6 +9,7 @@ unavailable, 2 usage).  No rule lives here.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
 from typing import TextIO
@@ -82,6 +83,7 @@ def _allocate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     """
     from hostpid.gate import gate_enabled
     from hostpid.node.allocation import (
+        MAX_INPUT_BYTES,
         AllocationResponseError,
         patch_response,
         response_from_json,
@@ -93,7 +95,8 @@ def _allocate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
         return _allocate_cdi(args, stdout, stderr)
     broker_enabled = gate_enabled()
     try:
-        response = response_from_json(sys.stdin.buffer.read())
+        # One byte more than the bound, so that too much input is seen as such.
+        response = response_from_json(sys.stdin.buffer.read(MAX_INPUT_BYTES + 1))
     except AllocationResponseError as e:
         print(f"hostpid: {e}", file=stderr)
         return 1
@@ -124,6 +127,7 @@ def _allocate_cdi(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> i
     """
     from hostpid.gate import gate_enabled
     from hostpid.node.allocation import (
+        MAX_INPUT_BYTES,
         AllocationResponseError,
         response_from_json,
         response_to_json,
@@ -133,7 +137,7 @@ def _allocate_cdi(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> i
 
     broker_enabled = gate_enabled()
     try:
-        response = response_from_json(sys.stdin.buffer.read())
+        response = response_from_json(sys.stdin.buffer.read(MAX_INPUT_BYTES + 1))
         patched = patch_response_cdi(
             response, broker_enabled=broker_enabled, annotate=args.cdi_annotations
         )
@@ -211,6 +215,29 @@ def _add_cdi_parser(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=_cdi)
 
 
+#: The longest client deadline the command accepts, in seconds.  The broker
+#: answers within its own 0.5 s deadline; anything near this is a typo, and
+#: far larger values overflow the kernel's timeout types.
+MAX_TIMEOUT = 3600.0
+
+
+def _timeout_seconds(text: str) -> float:
+    """
+    An C{argparse} type for C{--timeout}: a finite number of seconds in
+    (0, L{MAX_TIMEOUT}].  C{nan}, C{inf}, 0, negative numbers and C{1e12}
+    are usage errors (exit 2) naming the option, never a traceback.
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} must be a number of seconds greater than 0 and at most {MAX_TIMEOUT:g}"
+        )
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hostpid",
@@ -223,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     query.add_argument("--socket", default=defaults.CLIENT_SOCKET, metavar="PATH")
     query.add_argument(
-        "--timeout", type=float, default=defaults.DEADLINE, metavar="S",
+        "--timeout", type=_timeout_seconds, default=defaults.DEADLINE, metavar="S",
         help="one deadline over connect, write and read (default %(default)s)",
     )
     query.set_defaults(run=_query)

@@ -527,3 +527,203 @@ def test_cli_prepare_default_lock_parent() -> None:
     assert result.returncode == 0, result.stderr
     assert result.stdout == "/tmp/vgpulock: lock parent prepared\n"
     assert _lock_parent_ok(Path("/tmp/vgpulock"))
+
+
+# Readers that fold keys (issue 13 item 2) ------------------------------------
+
+
+def go_fold(key: str) -> str:
+    """
+    A key folded as Go's C{encoding/json} folds it to match a struct field:
+    ASCII letters by case, other runes to the smallest rune of their simple
+    case-folding orbit (so the Kelvin sign is a C{K} and the long s an C{S}).
+    """
+    out = []
+    for char in key:
+        if char.isascii():
+            out.append(char.upper())
+            continue
+        orbit = [char, *(c for c in (char.lower(), char.upper()) if len(c) == 1)]
+        smallest = min(orbit)
+        out.append(smallest.upper() if smallest.isascii() else smallest)
+    return "".join(out)
+
+
+def go_struct(pairs: list[tuple[str, Any]], tags: tuple[str, ...]) -> dict[str, Any]:
+    """
+    Decode one JSON object into a Go struct whose fields have the JSON
+    C{tags}: each key goes to the field whose tag it equals, else to the
+    field it equals under folding; unknown keys are dropped; the last key
+    for a field wins.
+    """
+    by_fold = {go_fold(tag): tag for tag in tags}
+    fields: dict[str, Any] = {}
+    for key, value in pairs:
+        tag = key if key in tags else by_fold.get(go_fold(key))
+        if tag is not None:
+            fields[tag] = value
+    return fields
+
+
+def go_view(text: str) -> tuple[dict[str, str], list[tuple[str, str, bool]]]:
+    """
+    What the documented Go consumer (docs/allocation.md: C{hostpidResponse}
+    with C{Envs} and C{Mounts}) reads from C{hostpid allocate}'s output.
+    """
+    top = go_struct(json.loads(text, object_pairs_hook=list), ("envs", "mounts"))
+    envs = dict(top.get("envs") or [])  # a Go map: exact keys, the last wins
+    mounts = []
+    for item in top.get("mounts") or []:
+        mount = go_struct(item, ("containerPath", "hostPath", "readOnly"))
+        mounts.append((mount.get("containerPath", ""), mount.get("hostPath", ""),
+                       bool(mount.get("readOnly", False))))
+    return envs, mounts
+
+
+def python_view(text: str) -> tuple[dict[str, str], list[tuple[str, str, bool]]]:
+    """What this project meant: the same two fields, read by this project."""
+    response = response_from_json(text)
+    return dict(response.envs), [(m.container_path, m.host_path, m.read_only)
+                                 for m in response.mounts]
+
+
+SMUGGLED = {
+    "mount fields in another case": (
+        {"mounts": [{"containerPath": "/safe", "hostPath": "/h",
+                     "ContainerPath": "/tmp/vgpulock/hostpid", "HostPath": "/evil"}]},
+        True, "'ContainerPath'",
+    ),
+    "capitalised Envs and Mounts": (
+        {"envs": {"A": "a"}, "Envs": {GATE_ENV: "1"},
+         "Mounts": [{"containerPath": "/tmp/vgpulock/hostpid", "hostPath": "/evil"}]},
+        False, "'Envs'",
+    ),
+    "READONLY overrides readOnly": (
+        {"mounts": [{"containerPath": "/data", "hostPath": "/srv", "readOnly": True,
+                     "READONLY": False}]},
+        True, "'READONLY'",
+    ),
+    "long s folds onto mounts": (
+        {"mount\u017f": [{"containerPath": "/tmp/vgpulock", "hostPath": "/evil"}]},
+        True, "'mount\u017f'",
+    ),
+    "snake case in another case": (
+        {"mounts": [{"container_path": "/a", "host_path": "/b", "Host_Path": "/evil"}]},
+        True, "'Host_Path'",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SMUGGLED))
+def test_case_folding_reader_sees_what_the_patch_meant(case: str) -> None:
+    """
+    Issue 13 item 2: either the patch refuses the input naming the key, or a
+    reader that folds keys as Go does reads exactly what this project wrote.
+    On the old code the patch passed these keys through and the Go reader
+    saw a writable mount at the broker path, a forged gate or a writable
+    mount instead of a read-only one.
+    """
+    given, enabled, key = SMUGGLED[case]
+    try:
+        out = patch_json(json.dumps(given), broker_enabled=enabled)
+    except AllocationResponseError as e:
+        assert key in str(e)
+        assert "\n" not in str(e)
+        return
+    assert go_view(out) == python_view(out), "a Go reader misreads the patched response"
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        {"foo": 1, "FOO": 2},
+        {"mounts": [{"containerPath": "/a", "x": 1, "X": 2}]},
+        {"devices": [{"Permissions": "rw"}]},
+        {"devices": [{"permi\u017f\u017fions": "rw"}]},
+        {"cdiDevices": [{"name": "a", "Name": "b"}]},
+        {"CDI_DEVICES": []},
+        {"mounts": [{"hostPat\u0127": "/not-a-fold", "containerPath": "/a"}], "ENVS": {}},
+    ],
+)
+def test_keys_equal_under_folding_refused(obj: dict[str, Any]) -> None:
+    with pytest.raises(AllocationResponseError, match="case"):
+        response_from_object(obj)
+
+
+def test_accepted_spellings_and_map_keys_are_not_folded() -> None:
+    """Envs and annotations are maps (exact keys in Go too): case differences are fine."""
+    response = response_from_object({
+        "envs": {"A": "1", "a": "2"}, "annotations": {"K": "1", "k": "2"},
+        "mounts": [{"container_path": "/x", "hostPath": "/y", "read_only": True}],
+        "cdi_devices": [{"name": "vendor.com/dev=1"}],
+    })
+    assert response.envs == {"A": "1", "a": "2"}
+    assert response.mounts == (Mount("/x", "/y", True),)
+
+
+def test_go_fold_matches_go() -> None:
+    """The test's own decoder folds as Go does on the cases that matter."""
+    assert go_fold("containerPath") == go_fold("CONTAINERPATH") == "CONTAINERPATH"
+    assert go_fold("mount\u017f") == "MOUNTS"
+    assert go_fold("\u212aey") == "KEY"
+    assert go_fold("ma\u00df") != go_fold("mass")  # no full folding in Go
+
+
+# JSON that is not JSON, and bounds (issue 13 item 3) -------------------------
+
+NOT_JSON = {
+    "NaN": '{"x": NaN}',
+    "Infinity": '{"x": Infinity}',
+    "-Infinity": '{"mounts": [], "x": [-Infinity]}',
+    "float out of range": '{"x": 1e400}',
+    "huge integer": '{"x": ' + "9" * 5000 + "}",
+    "integer over 64 bits": '{"x": 18446744073709551616}',
+    "deep nesting": '{"x": ' + "[" * 100_000 + "]" * 100_000 + "}",
+    "deep objects": '{"a":' * 100 + "1" + "}" * 100,
+    "too large": '{"x": "' + "a" * (1024 * 1024) + '"}',
+}
+
+
+@pytest.mark.parametrize("case", sorted(NOT_JSON))
+def test_not_json_or_unbounded_is_refused(case: str) -> None:
+    with pytest.raises(AllocationResponseError) as caught:
+        response_from_json(NOT_JSON[case])
+    assert "\n" not in str(caught.value)
+
+
+def test_bounds_leave_ordinary_numbers_alone() -> None:
+    text = json.dumps({"x": [1, -2, 2**63 - 1, 2**64 - 1, -(2**63), 0.5, 1e300],
+                       "deep": [[[[[[[[[[[]]]]]]]]]]], "s": "[[[[{{{{" * 100})
+    out = json.loads(patch_json(text, broker_enabled=False))
+    assert out["x"] == [1, -2, 2**63 - 1, 2**64 - 1, -(2**63), 0.5, 1e300]
+    assert out["s"] == "[[[[{{{{" * 100
+
+
+@pytest.mark.parametrize(
+    "case", ["NaN", "-Infinity", "huge integer", "deep nesting", "too large",
+             "mount fields in another case", "capitalised Envs and Mounts"],
+)
+def test_cli_refusals_are_one_line(lock_tree: Path, case: str) -> None:
+    """Exit 1, nothing on stdout, one line on stderr: never a traceback."""
+    if case in SMUGGLED:
+        given, _, key = SMUGGLED[case]
+        stdin = json.dumps(given).encode()
+    else:
+        stdin, key = NOT_JSON[case].encode(), ""
+    result = allocate(stdin, "--lock-parent", str(lock_tree / "vgpulock"), gate="1")
+    assert (result.returncode, result.stdout) == (1, b""), result.stderr[-300:]
+    assert result.stderr.count(b"\n") == 1, result.stderr[-2000:]
+    assert result.stderr.startswith(b"hostpid: ")
+    assert key.encode("utf-8") in result.stderr
+
+
+@pytest.mark.parametrize("value", ["1e12", "nan", "inf", "-inf", "-1", "0", "x"])
+def test_cli_query_timeout_usage_error(value: str) -> None:
+    result = subprocess.run(
+        hostpid_argv("query", "--socket", "/nonexistent/broker.sock", "--timeout", value),
+        env=subprocess_env(LIBVGPU_HOSTPID_BROKER="1"), capture_output=True, text=True,
+        timeout=60, check=False,
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    assert "--timeout" in result.stderr and "Traceback" not in result.stderr
