@@ -89,6 +89,7 @@ def _allocate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
         response_from_json,
         response_to_json,
     )
+    from hostpid.node.hostpaths import FilesystemHostPaths
     from hostpid.node.lockparent import LockParentError, prepare_lock_parent
 
     if args.cdi:
@@ -112,6 +113,7 @@ def _allocate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
         broker_enabled=broker_enabled,
         lock_parent=prepared.path,
         broker_directory=args.broker_dir,
+        host_paths=FilesystemHostPaths(args.broker_dir),
     )
     stdout.write(response_to_json(patched) + "\n")
     stdout.flush()

@@ -187,7 +187,8 @@ def test_unrelated_lookalikes_kept_in_place() -> None:
         ("/var/run/hami/hostpid", "/5"),
     )
     result = patched(*lookalikes, enabled=True)
-    assert result.mounts == (PARENT, BROKER, *lookalikes)
+    # The one inside the lock parent comes right after the canonical mounts.
+    assert result.mounts == (PARENT, BROKER, lookalikes[3], *lookalikes[:3], lookalikes[4])
 
 
 def test_unrelated_mounts_keep_their_order() -> None:
@@ -257,7 +258,9 @@ container_paths = st.builds(
 random_mounts = st.builds(
     Mount,
     container_path=container_paths,
-    host_path=st.sampled_from(["/h1", "/h2", "/tmp/vgpulock", "/var/run/hami/hostpid"]),
+    host_path=st.sampled_from(["/h1", "/h2", "/tmp/vgpulock", "/var/run/hami/hostpid",
+                               "//var/run/hami/hostpid/", "/var/run/hami/hostpid/broker.sock",
+                               "/var/run/hami/hostpidx"]),
     read_only=st.booleans(),
 )
 random_envs = st.dictionaries(
@@ -268,8 +271,14 @@ random_envs = st.dictionaries(
 
 def _is_ours(mount: Mount) -> bool:
     target = mount.target
+    host = clean_container_path(mount.host_path)
     return target == "/tmp/vgpulock" or target == "/tmp/vgpulock/hostpid" or \
-        target.startswith("/tmp/vgpulock/hostpid/")
+        target.startswith("/tmp/vgpulock/hostpid/") or host == "/var/run/hami/hostpid" or \
+        host.startswith("/var/run/hami/hostpid/")
+
+
+def _inside_parent(mount: Mount) -> bool:
+    return mount.target.startswith("/tmp/vgpulock/")
 
 
 @given(st.lists(random_mounts, max_size=12), random_envs, st.booleans())
@@ -295,8 +304,21 @@ def test_properties(given_mounts: list[Mount], envs: dict[str, str], enabled: bo
         k: v for k, v in envs.items() if k != GATE_ENV
     }
 
-    # Unrelated mounts: all kept, in their original relative order.
-    assert [m for m in out if not _is_ours(m)] == [m for m in given_mounts if not _is_ours(m)]
+    # Unrelated mounts: all kept; those inside the lock parent in their
+    # original relative order right after ours, the others in theirs.
+    others = [m for m in given_mounts if not _is_ours(m)]
+    assert sorted(map(repr, (m for m in out if m not in (PARENT, BROKER)))) == \
+        sorted(map(repr, others))
+    assert [m for m in out if not _is_ours(m) and _inside_parent(m)] == \
+        [m for m in others if _inside_parent(m)]
+    assert [m for m in out if not _is_ours(m) and not _inside_parent(m)] == \
+        [m for m in others if not _inside_parent(m)]
+    last_ours = parents[0] + (1 if enabled else 0)
+    for index, mount in enumerate(out):
+        if is_ancestor(mount.target, "/tmp/vgpulock"):
+            assert index < parents[0], "an ancestor after the lock parent hides it"
+        if _inside_parent(mount) and mount not in (PARENT, BROKER):
+            assert index > last_ours, "a mount inside the lock parent before it is hidden"
     # Nothing after the canonical mounts can cover them.
     ours_at = parents[0]
     for later in out[ours_at + 1:]:
@@ -727,3 +749,73 @@ def test_cli_query_timeout_usage_error(value: str) -> None:
     assert result.returncode == 2, result.stderr
     assert result.stdout == ""
     assert "--timeout" in result.stderr and "Traceback" not in result.stderr
+
+
+# Order and host paths (issue 13 item 4) --------------------------------------
+
+
+def test_mount_inside_the_parent_listed_before_an_ancestor() -> None:
+    """A legacy lock file mount before C{/tmp}: both C{/tmp} and the parent would hide it."""
+    result = patched(("/tmp/vgpulock/x", "/h"), ("/a", "/1"), ("/tmp", "/scratch"),
+                     ("/tmp/vgpulock/y", "/h2"), enabled=True)
+    assert result.mounts == (*mounts(("/a", "/1"), ("/tmp", "/scratch")), PARENT, BROKER,
+                             *mounts(("/tmp/vgpulock/x", "/h"), ("/tmp/vgpulock/y", "/h2")))
+
+
+@pytest.mark.parametrize(
+    "host_path",
+    ["/var/run/hami/hostpid", "/var/run/hami/hostpid/", "//var/run/hami//hostpid",
+     "/var/run/hami/hostpid/broker.sock", "/var/run/hami/x/../hostpid"],
+)
+@pytest.mark.parametrize("enabled", [False, True])
+def test_broker_directory_at_another_container_path_removed(host_path: str,
+                                                             enabled: bool) -> None:
+    result = patched(Mount("/safe", host_path, False), Mount("/ro", host_path, True),
+                     ("/keep", "/var/run/hami/hostpidx"), enabled=enabled)
+    expected = (PARENT, BROKER) if enabled else (PARENT,)
+    assert result.mounts == (*expected, *mounts(("/keep", "/var/run/hami/hostpidx")))
+
+
+def test_host_paths_by_identity(public_tmp: Path) -> None:
+    """Another spelling of the broker directory through a symlink is the broker directory."""
+    from hostpid.node.hostpaths import FilesystemHostPaths
+
+    broker = public_tmp / "run" / "hostpid"
+    broker.mkdir(parents=True)
+    (broker / "broker.sock").write_text("")
+    (public_tmp / "alias").symlink_to(broker)
+    (public_tmp / "up").symlink_to(public_tmp / "run")
+    (public_tmp / "other").mkdir()
+    judge = FilesystemHostPaths(str(broker))
+    for named in (broker, public_tmp / "alias", public_tmp / "alias" / "broker.sock",
+                  public_tmp / "up" / "hostpid", public_tmp / "alias" / "missing"):
+        assert judge.names_broker_directory(str(named)), named
+    for other in (public_tmp / "other", public_tmp / "run", public_tmp, Path("/")):
+        assert not judge.names_broker_directory(str(other)), other
+    response = AllocateResponse(mounts=(Mount("/safe", str(public_tmp / "alias"), False),
+                                        Mount("/o", str(public_tmp / "other"))))
+    result = patch_response(response, broker_enabled=True, broker_directory=str(broker),
+                            host_paths=judge)
+    assert [m.container_path for m in result.mounts] == ["/tmp/vgpulock",
+                                                         "/tmp/vgpulock/hostpid", "/o"]
+
+
+def test_host_paths_by_identity_through_a_bind_mount(public_tmp: Path) -> None:
+    """A second bind mount of the broker directory has no spelling in common with it."""
+    require_root()
+    broker = public_tmp / "hostpid"
+    broker.mkdir()
+    (public_tmp / "elsewhere").mkdir()
+    script = (
+        "import subprocess, sys\n"
+        "from hostpid.node.hostpaths import FilesystemHostPaths\n"
+        "subprocess.run(['mount', '--make-rprivate', '/'], check=True)\n"
+        "subprocess.run(['mount', '--bind', sys.argv[1], sys.argv[2]], check=True)\n"
+        "print(FilesystemHostPaths(sys.argv[1]).names_broker_directory(sys.argv[2]))\n"
+    )
+    result = subprocess.run(
+        ["unshare", "--mount", *hostpid_argv()[:1], "-c", script, str(broker),
+         str(public_tmp / "elsewhere")],
+        env=subprocess_env(), capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert (result.returncode, result.stdout) == (0, "True\n"), result.stderr

@@ -20,12 +20,19 @@ The rules, in the order they apply (see C{docs/allocation.md} for why):
  3. Exactly one writable lock parent mount is added, and when the broker is
     enabled exactly one read-only broker mount right after it, with the
     environment key set to C{"1"}.
- 4. The canonical mounts go right after the last remaining mount that is an
-    ancestor of theirs (C{/}, C{/tmp}), or first if there is none: a runtime
-    that applies mounts in order can then never cover them with a later
-    mount, and mounts inside the lock parent (other lock files' mounts, if a
-    plugin adds any) come after the parent instead of being hidden by it.
-    Every other mount keeps its place relative to the others.
+ 4. Every mount whose host path is the broker directory or inside it is
+    removed too, whatever its container path (issue 13): a writable second
+    view of the broker directory would let a workload replace C{broker.sock}.
+    Host paths are compared by spelling here; L{hostpid.node.hostpaths}
+    adds identity (C{stat}) where the path exists, injected through
+    L{IHostPaths}, so this module stays pure.
+ 5. Order (issue 13): every ancestor of the lock parent (C{/}, C{/tmp}),
+    then the lock parent, then the broker mount, then every mount inside
+    the lock parent, each group keeping its relative order; a runtime that
+    applies mounts in order then never covers one of ours, nor a lock file
+    mounted inside the parent, with a later mount.  The canonical mounts go
+    right after the last ancestor (or first), the mounts inside the lock
+    parent right after them, and every other mount keeps its place.
 
 Patching is idempotent: patching a patched response changes nothing.
 """
@@ -39,6 +46,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
+from zope.interface import Interface, implementer
 
 from hostpid import defaults
 from hostpid.gate import ENABLED_VALUE, GATE_ENV
@@ -132,6 +140,33 @@ def is_reserved_mount(mount: Mount) -> bool:
     )
 
 
+class IHostPaths(Interface):
+    """How a mount's host path is judged against the broker directory."""
+
+    def names_broker_directory(host_path: str) -> bool:
+        """Whether C{host_path} is the broker directory or inside it."""
+
+
+@implementer(IHostPaths)
+@attrs.frozen
+class LexicalHostPaths:
+    """
+    The pure judgement: by spelling, after the same cleaning as container
+    paths.  L{hostpid.node.hostpaths.FilesystemHostPaths} adds identity.
+    """
+
+    broker_directory: str = defaults.BROKER_DIRECTORY
+
+    def names_broker_directory(self, host_path: str) -> bool:
+        return is_within(clean_container_path(host_path),
+                         clean_container_path(self.broker_directory))
+
+
+def is_inside_lock_parent(mount: Mount) -> bool:
+    """Whether C{mount} targets something strictly inside the lock parent."""
+    return is_ancestor(defaults.LOCK_PARENT, mount.target)
+
+
 def canonical_mounts(
     broker_enabled: bool,
     lock_parent: str = defaults.LOCK_PARENT,
@@ -155,6 +190,7 @@ def patch_response(
     broker_enabled: bool,
     lock_parent: str = defaults.LOCK_PARENT,
     broker_directory: str = defaults.BROKER_DIRECTORY,
+    host_paths: IHostPaths | None = None,
 ) -> AllocateResponse:
     """
     The response with the lock parent mount, the broker mount and the gate
@@ -167,17 +203,25 @@ def patch_response(
         (L{hostpid.lockparent.prepare_lock_parent}) first.
     @param broker_directory: the host directory mounted read-only at
         C{/tmp/vgpulock/hostpid}.
+    @param host_paths: how host paths are compared with C{broker_directory}
+        (default: by spelling, L{LexicalHostPaths}).
     """
+    judge = host_paths if host_paths is not None else LexicalHostPaths(broker_directory)
     envs = {key: value for key, value in response.envs.items() if key != GATE_ENV}
     if broker_enabled:
         envs[GATE_ENV] = ENABLED_VALUE
-    kept = [mount for mount in response.mounts if not is_reserved_mount(mount)]
+    kept = [
+        mount for mount in response.mounts
+        if not is_reserved_mount(mount) and not judge.names_broker_directory(mount.host_path)
+    ]
+    inside = [mount for mount in kept if is_inside_lock_parent(mount)]
+    rest = [mount for mount in kept if not is_inside_lock_parent(mount)]
     ours = canonical_mounts(broker_enabled, lock_parent, broker_directory)
     insert_at = 0
-    for index, mount in enumerate(kept):
+    for index, mount in enumerate(rest):
         if is_ancestor(mount.target, defaults.LOCK_PARENT):
             insert_at = index + 1
-    mounts = (*kept[:insert_at], *ours, *kept[insert_at:])
+    mounts = (*rest[:insert_at], *ours, *inside, *rest[insert_at:])
     return attrs.evolve(response, envs=envs, mounts=mounts)
 
 
@@ -515,6 +559,7 @@ def patch_json(
     broker_enabled: bool,
     lock_parent: str = defaults.LOCK_PARENT,
     broker_directory: str = defaults.BROKER_DIRECTORY,
+    host_paths: IHostPaths | None = None,
 ) -> str:
     """L{patch_response} from JSON to JSON."""
     return response_to_json(
@@ -523,6 +568,7 @@ def patch_json(
             broker_enabled=broker_enabled,
             lock_parent=lock_parent,
             broker_directory=broker_directory,
+            host_paths=host_paths,
         )
     )
 
