@@ -411,3 +411,62 @@ def test_planted_mountpoint_repaired_by_the_next_allocation(runtime: Runtime,
         assert (repaired.st_uid, repaired.st_mode) == (0, 0o040755)
         run = runtime.run("issue 9: after repair", mounts, envs, WORKLOAD_UID)
     assert_host_pid_answered(run)
+
+
+def test_lock_file_inside_the_parent_listed_before_tmp(runtime: Runtime, node: Node,
+                                                       tmp_path: Path) -> None:
+    """
+    Issue 13 item 4: a legacy lock file mounted inside the lock parent, listed
+    before the plugin's own C{/tmp} mount.  Patched, it comes after C{/tmp},
+    the parent and the broker mount, and the container sees it; in the old
+    order (it stayed before the parent) C{/tmp} and the parent hide it.
+    """
+    scratch = tmp_path / "scratch"
+    scratch.mkdir(mode=0o1777)
+    os.chmod(scratch, 0o1777)
+    legacy = tmp_path / "legacy.lock"
+    legacy.write_text("legacy-lock-content\n")
+    os.chmod(legacy, 0o644)
+    request = {"mounts": [{"containerPath": "/tmp/vgpulock/legacy.lock",
+                           "hostPath": str(legacy)},
+                          {"containerPath": "/tmp", "hostPath": str(scratch)}]}
+    script = ('echo "legacy $(cat /tmp/vgpulock/legacy.lock 2>/dev/null || echo hidden)"; '
+              + query_script(runtime.python.executable))
+    with running_broker(node.broker_dir):
+        mounts, envs, _ = allocate(node, "1", request)
+        assert [m.container_path for m in mounts] == [
+            "/tmp", "/tmp/vgpulock", "/tmp/vgpulock/hostpid", "/tmp/vgpulock/legacy.lock"]
+        run = runtime.run("legacy lock file after /tmp", mounts, envs, WORKLOAD_UID,
+                          ["/bin/sh", "-c", script])
+        old_order = (mounts[3], mounts[0], mounts[1], mounts[2])
+        hidden = runtime.run("legacy lock file first (old order)", old_order, envs,
+                             WORKLOAD_UID, ["/bin/sh", "-c", script])
+    assert "legacy legacy-lock-content" in run.stdout.splitlines()
+    assert_host_pid_answered(run)
+    # Hidden: what the container reads there is the empty mountpoint, not the file.
+    assert "legacy legacy-lock-content" not in hidden.stdout.splitlines()
+
+
+def test_broker_directory_under_another_name_is_not_mounted(runtime: Runtime, node: Node,
+                                                            tmp_path: Path) -> None:
+    """
+    Issue 13 item 4: a writable mount of the broker directory at another
+    container path, through a symlinked alias of its host path.  Kept (the
+    old code kept it), a root workload writes into the broker directory,
+    where it could replace C{broker.sock}; patched, the mount is gone.
+    """
+    alias = tmp_path / "alias"
+    alias.symlink_to(node.broker_dir)
+    request = {"mounts": [{"containerPath": "/safe", "hostPath": str(alias),
+                           "readOnly": False}]}
+    plant = ["/bin/sh", "-c", "touch /safe/planted && echo planted || echo refused"]
+    with running_broker(node.broker_dir):
+        mounts, envs, _ = allocate(node, "1", request)
+        assert [m.container_path for m in mounts] == ["/tmp/vgpulock", "/tmp/vgpulock/hostpid"]
+        run = runtime.run("alias of the broker dir, patched", mounts, envs, 0, plant)
+        assert not (node.broker_dir / "planted").exists()
+        kept = (*mounts, Mount("/safe", str(alias), False))
+        control = runtime.run("alias of the broker dir, kept (old code)", kept, envs, 0, plant)
+        planted = (node.broker_dir / "planted").exists()
+    assert "planted" not in run.stdout.split()
+    assert control.stdout.split() == ["planted"] and planted
