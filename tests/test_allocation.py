@@ -17,7 +17,7 @@ import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from support import hostpid_argv, require_root, subprocess_env
+from support import hostpid_argv, require_root, run_with_private_tmp, subprocess_env
 
 from hostpid.gate import GATE_ENV
 from hostpid.node.allocation import (
@@ -527,28 +527,42 @@ def test_cli_unsafe_lock_parent_writes_nothing(lock_tree: Path, unsafe: str) -> 
 
 def test_cli_default_lock_parent() -> None:
     """
-    The default C{/tmp/vgpulock}, as the product prepares it.  Gate off, so
-    nothing is created inside it and nothing there is removed.
+    The default C{/tmp/vgpulock}, as the product prepares it, in a private
+    mount namespace whose C{/tmp} is a fresh tmpfs (issue 13 item 6): the
+    host's lock parent is never touched.  Gate off: no mountpoint is made.
     """
-    require_root()
-    result = allocate(b'{"envs": {}}', gate="0")
+    env = subprocess_env()
+    env[GATE_ENV] = "0"
+    result, state = run_with_private_tmp(hostpid_argv("allocate"), b'{"envs": {}}', env)
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert out["mounts"] == [
         {"containerPath": "/tmp/vgpulock", "hostPath": "/tmp/vgpulock", "readOnly": False}
     ]
-    assert _lock_parent_ok(Path("/tmp/vgpulock"))
+    parent = state["/tmp/vgpulock"]
+    assert parent is not None and (parent["mode"], parent["uid"]) == (0o041777, 0)
+    assert state["/tmp/vgpulock/hostpid"] is None
+
+
+def test_cli_default_lock_parent_gate_on() -> None:
+    env = subprocess_env()
+    env[GATE_ENV] = "1"
+    result, state = run_with_private_tmp(hostpid_argv("allocate"), b'{"envs": {}}', env)
+    assert result.returncode == 0, result.stderr
+    assert [m["containerPath"] for m in json.loads(result.stdout)["mounts"]] == [
+        "/tmp/vgpulock", "/tmp/vgpulock/hostpid"]
+    mountpoint = state["/tmp/vgpulock/hostpid"]
+    assert mountpoint is not None and (mountpoint["mode"], mountpoint["uid"]) == (0o040755, 0)
 
 
 def test_cli_prepare_default_lock_parent() -> None:
-    require_root()
     env = subprocess_env()
     env.pop(GATE_ENV, None)
-    result = subprocess.run(hostpid_argv("prepare-lock-parent"), env=env, capture_output=True,
-                            text=True, timeout=60, check=False)
+    result, state = run_with_private_tmp(hostpid_argv("prepare-lock-parent"), env=env)
     assert result.returncode == 0, result.stderr
-    assert result.stdout == "/tmp/vgpulock: lock parent prepared\n"
-    assert _lock_parent_ok(Path("/tmp/vgpulock"))
+    assert result.stdout == b"/tmp/vgpulock: lock parent prepared\n"
+    parent = state["/tmp/vgpulock"]
+    assert parent is not None and (parent["mode"], parent["uid"]) == (0o041777, 0)
 
 
 # Readers that fold keys (issue 13 item 2) ------------------------------------
