@@ -44,11 +44,16 @@ def _doctor(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     production rules, so an operator sees at once why a workload falls back.
     """
     from hostpid.client import blocking as client
+    from hostpid.client.mountpoint import broker_mount_problem
 
+    # First, and only when it is the matter: no broker mount at all.
+    problem = broker_mount_problem(args.socket)
+    if problem is not None:
+        stdout.write(f"broker-mount FAIL {problem}\n")
     results = client.doctor(client.TrustPolicy(socket_path=args.socket))
     for result in results:
         stdout.write(f"{result.name} {'ok' if result.ok else 'FAIL'} {result.observed}\n")
-    return 0 if all(result.ok for result in results) else 1
+    return 0 if problem is None and all(result.ok for result in results) else 1
 
 
 def _prepare_lock_parent(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:

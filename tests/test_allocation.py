@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import stat
 import subprocess
 from pathlib import Path
@@ -833,3 +834,29 @@ def test_host_paths_by_identity_through_a_bind_mount(public_tmp: Path) -> None:
         env=subprocess_env(), capture_output=True, text=True, timeout=60, check=False,
     )
     assert (result.returncode, result.stdout) == (0, "True\n"), result.stderr
+
+
+# What an operator sees (issue 13 item 7) -------------------------------------
+
+
+@pytest.mark.parametrize("made", [True, False])
+def test_doctor_says_when_there_is_no_broker_mount(made: bool) -> None:
+    """
+    After a gate-on allocation the mountpoint stays in the lock parent; in a
+    container without the broker mount, doctor must say so plainly instead of
+    only reporting a missing socket.
+    """
+    env = subprocess_env()
+    env[GATE_ENV] = "1" if made else "0"
+    prepare, doctor = (" ".join(map(shlex.quote, hostpid_argv(*a)))
+                       for a in (("prepare-lock-parent",), ("doctor",)))
+    result, _ = run_with_private_tmp(["/bin/sh", "-c", f"{prepare} >/dev/null && {doctor}"],
+                                     env=env)
+    assert result.returncode == 1, result.stderr
+    first = result.stdout.decode().splitlines()[0]
+    if made:
+        assert first.startswith("broker-mount FAIL /tmp/vgpulock/hostpid is not a mount point: "
+                                "this container's allocation has no broker mount"), first
+    else:
+        assert first == ("broker-mount FAIL /tmp/vgpulock/hostpid does not exist: this "
+                         "container's allocation has no broker mount")
