@@ -31,6 +31,7 @@ from twisted.python.failure import Failure
 
 from hostpid import defaults
 from hostpid.broker import disabled, fsrules
+from hostpid.broker.mountwatch import MountpointWatch
 from hostpid.broker.pidns import OVERRIDE_OPTION, PROC_PID_INIT_INO, check_host_pid_namespace
 from hostpid.broker.port import BrokerPort
 from hostpid.broker.server import BrokerFactory
@@ -157,6 +158,9 @@ class BrokerService(Service):
         self.identifier = identifier
         self.cdiDirectory = cdiDirectory
         self.lockParent = lockParent
+        #: Watches C{<lockParent>/hostpid} while serving: quiet until it has
+        #: been seen (a broker that cannot see the lock parent never logs).
+        self.mountpointWatch = MountpointWatch(lockParent)
         self.factory: BrokerFactory | None = None
         self.port: BrokerPort | None = None
         self.failed = False
@@ -336,6 +340,7 @@ class BrokerService(Service):
         """
         if not self.listening:
             return None
+        self.mountpointWatch.check()
         problem = self.socketPathProblem()
         if problem is not None:
             self._fail(problem)

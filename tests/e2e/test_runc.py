@@ -153,9 +153,11 @@ class Runtime:
         self.runs: list[ContainerRun] = []
 
     def _config(self, mounts: Sequence[Mount], envs: dict[str, str], uid: int,
-                args: list[str]) -> dict[str, Any]:
-        def bind(source: str, destination: str, read_only: bool) -> dict[str, Any]:
-            options = ["bind", "nosuid", "nodev", "ro" if read_only else "rw"]
+                args: list[str], rbind: bool = False) -> dict[str, Any]:
+        def bind(source: str, destination: str, read_only: bool,
+                 recursive: bool = False) -> dict[str, Any]:
+            kind = "rbind" if recursive else "bind"
+            options = [kind, "nosuid", "nodev", "ro" if read_only else "rw"]
             return {"destination": destination, "type": "bind", "source": source,
                     "options": options}
 
@@ -170,7 +172,9 @@ class Runtime:
              "options": ["nosuid", "nodev", "mode=1777", "size=16m"]},
         ]
         # The allocation response's mounts, in its order: the point of the test.
-        response_mounts = [bind(m.host_path, m.container_path, m.read_only) for m in mounts]
+        # rbind=True: recursive, as containerd's CRI plugin binds every mount.
+        response_mounts = [bind(m.host_path, m.container_path, m.read_only, rbind)
+                           for m in mounts]
         env = [
             "PATH=/usr/local/bin:/usr/bin:/bin",
             f"PYTHONPATH={':'.join(self.python.pythonpath)}",
@@ -202,13 +206,13 @@ class Runtime:
         }
 
     def run(self, name: str, mounts: Sequence[Mount], envs: dict[str, str], uid: int,
-            args: list[str] | None = None) -> ContainerRun:
+            args: list[str] | None = None, rbind: bool = False) -> ContainerRun:
         """Run one container to completion; record and print what happened."""
         container_id = f"hostpid-e2e-{uuid.uuid4().hex[:12]}"
         bundle = self.workdir / container_id
         bundle.mkdir()
         script = query_script(self.python.executable)
-        config = self._config(mounts, envs, uid, args or ["/bin/sh", "-c", script])
+        config = self._config(mounts, envs, uid, args or ["/bin/sh", "-c", script], rbind)
         (bundle / "config.json").write_text(json.dumps(config, indent=2))
         pid_file = bundle / "init.pid"
         started = time.monotonic()
@@ -470,3 +474,84 @@ def test_broker_directory_under_another_name_is_not_mounted(runtime: Runtime, no
         planted = (node.broker_dir / "planted").exists()
     assert "planted" not in run.stdout.split()
     assert control.stdout.split() == ["planted"] and planted
+
+
+class MountHolder:
+    """
+    A process holding the broker mount on C{<lock parent>/hostpid} in a
+    mount namespace of its own, as a running broker-enabled container does;
+    it reports, when asked, whether it still sees C{broker.sock} there.
+    """
+
+    SCRIPT = (
+        "set -e; mount --make-rprivate /; mount --bind \"$1\" \"$2\"; "
+        "echo ready; while read _; do "
+        "if [ -S \"$2/broker.sock\" ]; then echo visible; else echo gone; fi; done"
+    )
+
+    def __init__(self, broker_dir: Path, mountpoint: Path) -> None:
+        self.process = subprocess.Popen(
+            ["unshare", "--mount", "sh", "-c", self.SCRIPT, "holder", str(broker_dir),
+             str(mountpoint)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        assert self.ask_raw() == "ready"
+
+    def ask_raw(self) -> str:
+        assert self.process.stdout is not None
+        return self.process.stdout.readline().strip()
+
+    def sees_socket(self) -> bool:
+        assert self.process.stdin is not None
+        self.process.stdin.write("?\n")
+        self.process.stdin.flush()
+        return self.ask_raw() == "visible"
+
+    def close(self) -> None:
+        self.process.kill()
+        self.process.communicate()
+
+
+RMDIR = ["/bin/sh", "-c",
+         "rmdir /tmp/vgpulock/hostpid 2>&1 && echo removed || echo refused"]
+
+
+@pytest.mark.parametrize(("host_mount", "rbind"), [(False, True), (True, True), (True, False)])
+def test_root_workload_rmdir_of_the_mountpoint(runtime: Runtime, node: Node,
+                                               host_mount: bool, rbind: bool) -> None:
+    """
+    Issue 13 item 5, measured: a UID 0 workload (no user namespace, no
+    capability but CAP_KILL) whose allocation has no broker mount removes
+    C{/tmp/vgpulock/hostpid}; the broker mount of a running container on that
+    mountpoint is detached.  With a host-side read-only bind of the broker
+    directory on the mountpoint, and the lock parent bound recursively
+    (rbind, as containerd's CRI does), the rmdir fails with EBUSY instead;
+    bound non-recursively, the container does not get the host-side mount,
+    and its rmdir detaches it from the host and from every container.
+    """
+    with running_broker(node.broker_dir):
+        allocate(node, "1")
+        off_mounts, off_envs, _ = allocate(node, "0")
+        mountpoint = node.lock_parent / "hostpid"
+        if host_mount:
+            subprocess.run(["mount", "--bind", str(node.broker_dir), str(mountpoint)],
+                           check=True)
+            subprocess.run(["mount", "-o", "remount,bind,ro", str(mountpoint)], check=True)
+        holder = MountHolder(node.broker_dir, mountpoint)
+        try:
+            assert holder.sees_socket()
+            run = runtime.run(f"root rmdir, host mount {host_mount}, rbind {rbind}",
+                              off_mounts, off_envs, 0, RMDIR, rbind=rbind)
+            still_visible = holder.sees_socket()
+        finally:
+            holder.close()
+            if host_mount:
+                subprocess.run(["umount", "-l", str(mountpoint)], check=False)
+    print(f"[e2e] host mount {host_mount}, rbind {rbind}: {run.stdout.strip()!r}; running "
+          f"container still sees broker.sock: {still_visible}")
+    if host_mount and rbind:
+        assert "resource busy" in run.stdout and "refused" in run.stdout
+        assert still_visible
+    else:
+        assert run.stdout.split() == ["removed"]
+        assert not still_visible, "the kernel detached the other container's broker mount"
