@@ -140,13 +140,15 @@ def _allocate_cdi(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> i
         response_to_json,
     )
     from hostpid.node.cdi import CdiSpecError, patch_response_cdi
+    from hostpid.node.hostpaths import FilesystemHostPaths
     from hostpid.node.lockparent import LockParentError, prepare_lock_parent
 
     broker_enabled = gate_enabled()
     try:
         response = response_from_json(sys.stdin.buffer.read(MAX_INPUT_BYTES + 1))
         patched = patch_response_cdi(
-            response, broker_enabled=broker_enabled, annotate=args.cdi_annotations
+            response, broker_enabled=broker_enabled, annotate=args.cdi_annotations,
+            host_paths=FilesystemHostPaths(args.broker_dir),
         )
     except (AllocationResponseError, CdiSpecError) as e:
         print(f"hostpid: {e}", file=stderr)

@@ -860,3 +860,13 @@ def test_doctor_says_when_there_is_no_broker_mount(made: bool) -> None:
     else:
         assert first == ("broker-mount FAIL /tmp/vgpulock/hostpid does not exist: this "
                          "container's allocation has no broker mount")
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_cdi_patch_removes_broker_directory_mounts_too(enabled: bool) -> None:
+    from hostpid.node.cdi import patch_response_cdi
+
+    response = AllocateResponse(mounts=mounts(("/safe", "/var/run/hami/hostpid/"),
+                                              ("/keep", "/srv")))
+    result = patch_response_cdi(response, broker_enabled=enabled)
+    assert result.mounts == mounts(("/keep", "/srv"))
