@@ -82,11 +82,16 @@ def _doctor(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     production rules, so an operator sees at once why a workload falls back.
     """
     from hostpid.client import blocking as client
+    from hostpid.client.mountpoint import broker_mount_problem
 
+    # First, and only when it is the matter: no broker mount at all.
+    problem = broker_mount_problem(args.socket)
+    if problem is not None:
+        stdout.write(f"broker-mount FAIL {problem}\n")
     results = client.doctor(client.TrustPolicy(socket_path=args.socket))
     for result in results:
         stdout.write(f"{result.name} {'ok' if result.ok else 'FAIL'} {result.observed}\n")
-    return 0 if all(result.ok for result in results) else 1
+    return 0 if problem is None and all(result.ok for result in results) else 1
 
 
 def _prepare_lock_parent(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
@@ -121,18 +126,21 @@ def _allocate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     """
     from hostpid.gate import gate_enabled
     from hostpid.node.allocation import (
+        MAX_INPUT_BYTES,
         AllocationResponseError,
         patch_response,
         response_from_json,
         response_to_json,
     )
+    from hostpid.node.hostpaths import FilesystemHostPaths
     from hostpid.node.lockparent import LockParentError, prepare_lock_parent
 
     if args.cdi:
         return _allocate_cdi(args, stdout, stderr)
     broker_enabled = gate_enabled()
     try:
-        response = response_from_json(sys.stdin.buffer.read())
+        # One byte more than the bound, so that too much input is seen as such.
+        response = response_from_json(sys.stdin.buffer.read(MAX_INPUT_BYTES + 1))
     except AllocationResponseError as e:
         print(f"hostpid: {e}", file=stderr)
         return 1
@@ -148,6 +156,7 @@ def _allocate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
         broker_enabled=broker_enabled,
         lock_parent=prepared.path,
         broker_directory=args.broker_dir,
+        host_paths=FilesystemHostPaths(args.broker_dir),
     )
     stdout.write(response_to_json(patched) + "\n")
     stdout.flush()
@@ -163,18 +172,21 @@ def _allocate_cdi(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> i
     """
     from hostpid.gate import gate_enabled
     from hostpid.node.allocation import (
+        MAX_INPUT_BYTES,
         AllocationResponseError,
         response_from_json,
         response_to_json,
     )
     from hostpid.node.cdi import CdiSpecError, patch_response_cdi
+    from hostpid.node.hostpaths import FilesystemHostPaths
     from hostpid.node.lockparent import LockParentError, prepare_lock_parent
 
     broker_enabled = gate_enabled()
     try:
-        response = response_from_json(sys.stdin.buffer.read())
+        response = response_from_json(sys.stdin.buffer.read(MAX_INPUT_BYTES + 1))
         patched = patch_response_cdi(
-            response, broker_enabled=broker_enabled, annotate=args.cdi_annotations
+            response, broker_enabled=broker_enabled, annotate=args.cdi_annotations,
+            host_paths=FilesystemHostPaths(args.broker_dir),
         )
     except (AllocationResponseError, CdiSpecError) as e:
         print(f"hostpid: {e}", file=stderr)
@@ -260,6 +272,8 @@ def _add_cdi_parser(commands: argparse._SubParsersAction[_Parser]) -> None:
         help=f"cdiVersion to write, {cdi.MINIMUM_VERSION} or newer (default: %(default)s)",
     )
     parser.set_defaults(run=_cdi)
+
+
 def _version() -> str:
     """The installed distribution's version, else the package's own."""
     from importlib.metadata import PackageNotFoundError, version
@@ -272,10 +286,18 @@ def _version() -> str:
         return hostpid.__version__
 
 
+#: The longest client deadline the command accepts, in seconds.  The broker
+#: answers within its own 0.5 s deadline; anything near this is a typo, and
+#: far larger values overflow the kernel's timeout types.
+MAX_TIMEOUT = 3600.0
+
+
 def _seconds(option: str) -> Callable[[str], float]:
     """
-    An argparse type for a positive, finite number of seconds whose error
-    names the option (argparse adds its own C{argument OPTION:} prefix).
+    An argparse type for a finite number of seconds in (0, L{MAX_TIMEOUT}]
+    whose error names the option (argparse adds its own C{argument OPTION:}
+    prefix, which L{_Parser} folds): C{nan}, C{inf}, 0, negative numbers and
+    C{1e12} are usage errors (exit 2), never a traceback.
     """
 
     def parse(text: str) -> float:
@@ -283,9 +305,10 @@ def _seconds(option: str) -> Callable[[str], float]:
             value = float(text)
         except ValueError:
             value = math.nan
-        if not (math.isfinite(value) and value > 0):
+        if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT):
             raise argparse.ArgumentTypeError(
-                f"{option} must be a positive number of seconds, got {text!r}"
+                f"{option} must be a positive number of seconds, at most {MAX_TIMEOUT:g}, "
+                f"got {text!r}"
             )
         return value
 

@@ -7,6 +7,7 @@ file must not import the reactor at module level.
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import tempfile
@@ -18,6 +19,37 @@ import pytest
 #: A downstream project's test module, run on purpose by tests/test_testing.py
 #: under trial and pytest as another UID; not part of this suite's collection.
 collect_ignore = ["downstream"]
+
+#: The production lock parent on the machine that runs the suite.
+HOST_LOCK_PARENT = "/tmp/vgpulock"
+
+
+def _host_lock_parent_state() -> tuple[int, ...] | None:
+    """What must not change about the host's lock parent while the suite runs."""
+    try:
+        st = os.lstat(HOST_LOCK_PARENT)
+    except FileNotFoundError:
+        return None
+    return (st.st_mode, st.st_uid, st.st_gid, st.st_dev, st.st_ino, st.st_mtime_ns)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def host_lock_parent_untouched() -> Iterator[None]:
+    """
+    Fail the suite if the host's C{/tmp/vgpulock} changed while it ran
+    (issue 13 item 6): existence, type and mode, owner, identity, and the
+    mtime that any entry created or removed in it changes.  Tests of the
+    default paths run in a private mount namespace with their own C{/tmp}
+    (L{support.run_with_private_tmp}); a test that reaches the real one is a
+    bug on the machine that runs the suite.
+    """
+    before = _host_lock_parent_state()
+    yield
+    after = _host_lock_parent_state()
+    assert after == before, (
+        f"the host's {HOST_LOCK_PARENT} changed while the suite ran "
+        f"(mode, uid, gid, dev, ino, mtime_ns): {before} -> {after}"
+    )
 
 
 @pytest.fixture

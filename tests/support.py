@@ -352,3 +352,38 @@ class DefaultLayout:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def run_with_private_tmp(
+    argv: Sequence[str], input: bytes = b"", env: dict[str, str] | None = None
+) -> tuple[subprocess.CompletedProcess[bytes], dict[str, dict[str, int] | None]]:
+    """
+    Run C{argv} in a private mount namespace whose C{/tmp} is a fresh tmpfs,
+    for tests of the default paths (C{/tmp/vgpulock}): the host's lock parent
+    is never touched.  Returns the result and what C{/tmp/vgpulock} and
+    C{/tmp/vgpulock/hostpid} were in that private C{/tmp} afterwards.
+    """
+    require_root()
+    unshare = require_tool("unshare")
+    stage = tempfile.mkdtemp(prefix="hostpid-privatetmp-", dir="/tmp")
+    read_end, write_end = os.pipe()
+    try:
+        result = subprocess.run(
+            [unshare, "--mount", "--propagation", "private", sys.executable,
+             str(REPO / "tests" / "privatetmp.py"), stage, str(write_end), "--", *argv],
+            input=input, env=env if env is not None else subprocess_env(),
+            capture_output=True, timeout=60, check=False, pass_fds=(write_end,),
+        )
+        os.close(write_end)
+        write_end = -1
+        with os.fdopen(read_end, "rb") as report:
+            read_end = -1
+            text = report.read().decode()
+    finally:
+        for fd in (read_end, write_end):
+            if fd >= 0:
+                os.close(fd)
+        os.rmdir(stage)
+    import json
+
+    return result, json.loads(text) if text else {}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import stat
 import subprocess
+import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +23,8 @@ from support import hostpid_argv, require_root, subprocess_env
 from twisted.logger import ILogObserver, globalLogPublisher
 
 from hostpid.node.lockparent import (
-    MOUNTPOINT_ATTEMPTS,
+    BUILD_PREFIX,
+    MARKER_NAME,
     QUARANTINE_PREFIX,
     LockParentError,
     PreparedLockParent,
@@ -318,10 +320,12 @@ def test_steps_are_reported_in_order(tree: Path) -> None:
         "lock-parent-made",
         "lock-parent-opened",
         "lock-parent-mode-set",
-        "mountpoint-made",
-        "mountpoint-opened",
-        "mountpoint-mode-set",
+        "mountpoint-built",
+        "mountpoint-placed",
     ]
+    seen.clear()
+    prepare(tree, broker_enabled=True, between_steps=seen.append)
+    assert seen[-2:] == ["mountpoint-opened", "mountpoint-mode-set"]
 
 
 # The broker mountpoint (issue 9) ------------------------------------------
@@ -413,7 +417,7 @@ def test_planted_mountpoint_repaired(planted_tree: Path, case: str) -> None:
     if action == "quarantined":
         assert repair.quarantine_name is not None
         assert repair.quarantine_name.startswith(QUARANTINE_PREFIX)
-        assert entries == sorted(["hostpid", repair.quarantine_name])
+        assert entries == sorted(["hostpid", MARKER_NAME, repair.quarantine_name])
         quarantined = planted_tree / "vgpulock" / repair.quarantine_name
         assert os.lstat(quarantined).st_uid == WORKLOAD_UID
         if case == "non-empty directory":
@@ -423,7 +427,7 @@ def test_planted_mountpoint_repaired(planted_tree: Path, case: str) -> None:
             assert os.listdir(quarantined) == []
     else:
         assert repair.quarantine_name is None
-        assert entries == ["hostpid"]
+        assert entries == sorted(["hostpid", MARKER_NAME])
 
     # Once repaired, the next preparation has nothing to do.
     assert prepare(planted_tree, broker_enabled=True).repair_count == 0
@@ -463,11 +467,12 @@ def test_root_owned_mountpoint_with_wrong_mode_restored(tree: Path) -> None:
     assert os.stat(mountpoint).st_ino == inode
 
 
-def test_mountpoint_replaced_after_open_is_detected(tree: Path) -> None:
+def test_mountpoint_replaced_after_placement_is_detected(tree: Path) -> None:
+    """Only root can replace the placed directory; the final check still sees it."""
     mountpoint = tree / "vgpulock" / "hostpid"
 
     def hook(step: str) -> None:
-        if step == "mountpoint-opened":
+        if step == "mountpoint-placed":
             os.rename(mountpoint, tree / "vgpulock" / "aside")
             os.mkdir(mountpoint, 0o755)
 
@@ -477,7 +482,19 @@ def test_mountpoint_replaced_after_open_is_detected(tree: Path) -> None:
     assert "changed while prepared" in caught.value.rule
 
 
-def test_mountpoint_mode_changed_after_chmod_is_detected(tree: Path) -> None:
+def test_mountpoint_mode_changed_after_placement_is_detected(tree: Path) -> None:
+    mountpoint = tree / "vgpulock" / "hostpid"
+
+    def hook(step: str) -> None:
+        if step == "mountpoint-placed":
+            os.chmod(mountpoint, 0o777)
+
+    with pytest.raises(LockParentError, match="changed while prepared: mode is 0777"):
+        prepare(tree, broker_enabled=True, between_steps=hook)
+
+
+def test_adopted_mountpoint_mode_changed_after_chmod_is_detected(tree: Path) -> None:
+    prepare(tree, broker_enabled=True)
     mountpoint = tree / "vgpulock" / "hostpid"
 
     def hook(step: str) -> None:
@@ -488,38 +505,87 @@ def test_mountpoint_mode_changed_after_chmod_is_detected(tree: Path) -> None:
         prepare(tree, broker_enabled=True, between_steps=hook)
 
 
-def test_mountpoint_planted_between_mkdir_and_open_is_repaired(tree: Path) -> None:
-    """A workload that wins the race once is repaired on the next look."""
+@pytest.mark.parametrize("planted", ["symlink", "directory"])
+def test_entry_planted_while_building_is_swapped_out(tree: Path, planted: str) -> None:
+    """
+    A workload plants the name after the preparation looked and before the
+    finished directory is put in place: the exchange swaps it out in one step
+    (the name is never free), and it is removed or quarantined, never followed.
+    """
+    target = tree / "target"
+    target.mkdir(mode=0o755)
+    (target / "marker").write_text(MARKER)
+    before = identity(target)
     mountpoint = tree / "vgpulock" / "hostpid"
-    raced: list[str] = []
+
+    def plant() -> None:
+        if planted == "symlink":
+            os.symlink(target, mountpoint)
+        else:
+            os.mkdir(mountpoint)
+            (mountpoint / "evidence").write_text("mine\n")
 
     def hook(step: str) -> None:
-        if step == "mountpoint-made" and not raced:
-            raced.append(step)
-            os.rmdir(mountpoint)
-            run_as(WORKLOAD_UID, lambda: os.symlink("/etc", mountpoint))
+        if step == "mountpoint-built":
+            run_as(WORKLOAD_UID, plant)
 
     prepared = prepare(tree, broker_enabled=True, between_steps=hook)
-    assert raced
-    assert [(r.found, r.owner_uid, r.action) for r in prepared.repairs] == [
-        ("symlink", WORKLOAD_UID, "removed")
-    ]
     assert_mountpoint(mountpoint)
+    (repair,) = prepared.repairs
+    assert (repair.found, repair.owner_uid) == (planted, WORKLOAD_UID)
+    assert identity(target) == before and os.listdir(target) == ["marker"]
+    entries = os.listdir(tree / "vgpulock")
+    if planted == "symlink":
+        assert repair.action == "removed"
+        assert sorted(entries) == sorted(["hostpid", MARKER_NAME])
+    else:
+        assert repair.action == "quarantined" and repair.quarantine_name in entries
+        assert (tree / "vgpulock" / repair.quarantine_name / "evidence").read_text() == "mine\n"
 
 
-def test_mountpoint_that_keeps_being_replaced_fails(tree: Path) -> None:
+def test_concurrent_allocation_directory_is_kept(tree: Path) -> None:
+    """Another allocation's finished directory, placed first, is adopted, not swapped."""
+    prepare(tree, broker_enabled=False)
     mountpoint = tree / "vgpulock" / "hostpid"
-    rounds: list[str] = []
+    inode: list[int] = []
 
     def hook(step: str) -> None:
-        if step == "mountpoint-made":
-            rounds.append(step)
-            os.rmdir(mountpoint)
-            run_as(WORKLOAD_UID, lambda: mountpoint.write_text("again\n"))
+        if step == "mountpoint-built" and not inode:
+            inode.append(prepare(tree, broker_enabled=True).mountpoint_inode or 0)
 
-    with pytest.raises(LockParentError, match="kept being replaced"):
-        prepare(tree, broker_enabled=True, between_steps=hook)
-    assert len(rounds) == MOUNTPOINT_ATTEMPTS
+    prepared = prepare(tree, broker_enabled=True, between_steps=hook)
+    assert prepared.mountpoint_inode == inode[0] == os.lstat(mountpoint).st_ino
+    assert prepared.repairs == ()
+    assert sorted(os.listdir(tree / "vgpulock")) == sorted(["hostpid", MARKER_NAME])
+
+
+def test_removed_mountpoint_is_reported(tree: Path) -> None:
+    """
+    Issue 13 item 5: a mountpoint an earlier allocation made, gone later
+    (only root can remove it), is reported and counted when it is made again.
+    """
+    prepare(tree, broker_enabled=True)
+    os.rmdir(tree / "vgpulock" / "hostpid")
+    events: list[dict[str, object]] = []
+    observer = cast(ILogObserver, events.append)
+    globalLogPublisher.addObserver(observer)
+    try:
+        prepared = prepare(tree, broker_enabled=True)
+    finally:
+        globalLogPublisher.removeObserver(observer)
+    assert [r.found for r in prepared.repairs] == ["missing mountpoint"]
+    assert prepared.describe_repairs() == [
+        f"repaired {tree / 'vgpulock' / 'hostpid'}: it was missing although an earlier "
+        "allocation made it; made again (it had been removed since an earlier allocation "
+        "made it)"
+    ]
+    assert [e["found"] for e in events if e.get("log_namespace") == "hostpid.lockparent"] == [
+        "missing mountpoint"
+    ]
+    assert_mountpoint(tree / "vgpulock" / "hostpid")
+    # A first preparation of a fresh lock parent reports nothing.
+    (tree / "fresh").mkdir(mode=0o755)
+    assert prepare(tree / "fresh", broker_enabled=True).repairs == ()
 
 
 # The command ---------------------------------------------------------------
@@ -562,3 +628,80 @@ def test_cli_refuses_an_unsafe_lock_parent(tree: Path) -> None:
     assert result.stderr.count("\n") == 1
     assert str(tree / "vgpulock") in result.stderr
     assert "symlink" in result.stderr
+
+
+# A racing tenant (issue 13 item 1) -----------------------------------------
+
+#: How many fresh lock parents each planter variant races.
+RACE_ROUNDS = 32
+
+#: A UID 1000 loop that re-creates the mountpoint the moment it disappears,
+#: as a regular file or as a directory, until it is killed.  It never stops
+#: on an error: EEXIST (something is there) and EACCES just mean "try again".
+PLANTER = """
+import os, sys
+path, kind = sys.argv[1], sys.argv[2]
+flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+ready = False
+while True:
+    if not ready:
+        # One full turn is done: tell the test the race is on.
+        ready = os.write(1, b"ready\\n") > 0
+    try:
+        if kind == "file":
+            os.close(os.open(path, flags, 0o644))
+        elif kind == "directory":
+            os.mkdir(path, 0o777)
+        else:  # flapping: its own entry appears and disappears all the time
+            os.close(os.open(path, flags, 0o644))
+            os.unlink(path)
+    except OSError:
+        pass
+"""
+
+
+@pytest.mark.parametrize("kind", ["file", "directory", "flapping"])
+def test_racing_planter_never_fails_an_allocation(tree: Path, kind: str) -> None:
+    """
+    Issue 13 item 1: a real UID 1000 process re-creates C{hostpid} as soon as
+    it disappears.  Over many fresh lock parents every broker-enabled
+    preparation must succeed with the broker's own directory in place, and
+    leave at most one quarantined entry behind.
+    """
+    from support import as_user_argv, wait_for
+
+    failures: list[str] = []
+    quarantined: list[int] = []
+    for round_ in range(RACE_ROUNDS):
+        home = tree / f"round-{round_}"
+        home.mkdir(mode=0o755)
+        prepare(home, broker_enabled=False)
+        mountpoint = home / "vgpulock" / "hostpid"
+        planter = subprocess.Popen(
+            as_user_argv(WORKLOAD_UID, [sys.executable, "-c", PLANTER, str(mountpoint), kind]),
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        )
+        try:
+            assert planter.stdout is not None
+            assert planter.stdout.readline() == b"ready\n"
+            if kind != "flapping":
+                wait_for(lambda m=mountpoint: os.path.lexists(m), "the planter's first entry")
+                assert os.lstat(mountpoint).st_uid == WORKLOAD_UID
+            try:
+                prepared = prepare(home, broker_enabled=True)
+            except LockParentError as e:
+                failures.append(str(e))
+            else:
+                assert_mountpoint(mountpoint)
+                # Still the broker's while the planter keeps trying.
+                assert os.lstat(mountpoint).st_ino == prepared.mountpoint_inode
+        finally:
+            planter.kill()
+            planter.communicate()
+        entries = os.listdir(home / "vgpulock")
+        quarantined.append(sum(e.startswith(QUARANTINE_PREFIX) for e in entries))
+        assert not [e for e in entries if e.startswith(BUILD_PREFIX)], entries
+    print(f"\n[race] {kind}: {len(failures)} of {RACE_ROUNDS} allocations failed; "
+          f"quarantined per allocation: {quarantined}")
+    assert failures == []
+    assert max(quarantined) <= 1

@@ -30,7 +30,8 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from hostpid import defaults
-from hostpid.broker import fsrules
+from hostpid.broker import disabled, fsrules
+from hostpid.broker.mountwatch import MountpointWatch
 from hostpid.broker.pidns import OVERRIDE_OPTION, PROC_PID_INIT_INO, check_host_pid_namespace
 from hostpid.broker.port import BrokerPort
 from hostpid.broker.server import BrokerFactory
@@ -157,6 +158,9 @@ class BrokerService(Service):
         self.identifier = identifier
         self.cdiDirectory = cdiDirectory
         self.lockParent = lockParent
+        #: Watches C{<lockParent>/hostpid} while serving: quiet until it has
+        #: been seen (a broker that cannot see the lock parent never logs).
+        self.mountpointWatch = MountpointWatch(lockParent)
         self.factory: BrokerFactory | None = None
         self.port: BrokerPort | None = None
         self.failed = False
@@ -184,6 +188,7 @@ class BrokerService(Service):
                 "hostpid-broker: disabled ({gate} is not exactly \"1\"); no socket is created",
                 gate=GATE_ENV,
             )
+            self._removeStaleSocket()
             return
         try:
             self._start()
@@ -191,6 +196,26 @@ class BrokerService(Service):
             self._release()
             self.running = False
             raise
+
+    def _removeStaleSocket(self) -> None:
+        """
+        Gate off: remove a socket a killed broker left, if it is stale and
+        ours (L{disabled.remove_stale_socket}); never fail startup over it.
+        """
+        try:
+            expectedUid = expected_uid_for(self.directory)
+        except fsrules.BrokerStartupError:
+            return
+        kept = disabled.remove_stale_socket(self.directory, expectedUid)
+        if kept is None:
+            self.log.info(
+                "hostpid-broker: disabled: stale socket removed: {path}", path=self.socketPath
+            )
+        elif os.path.lexists(self.socketPath):
+            self.log.info(
+                "hostpid-broker: disabled: {path} left in place: {reason}",
+                path=self.socketPath, reason=kept,
+            )
 
     def _start(self) -> None:
         namespace = check_host_pid_namespace(
@@ -315,6 +340,7 @@ class BrokerService(Service):
         """
         if not self.listening:
             return None
+        self.mountpointWatch.check()
         problem = self.socketPathProblem()
         if problem is not None:
             self._fail(problem)

@@ -20,12 +20,19 @@ The rules, in the order they apply (see C{docs/allocation.md} for why):
  3. Exactly one writable lock parent mount is added, and when the broker is
     enabled exactly one read-only broker mount right after it, with the
     environment key set to C{"1"}.
- 4. The canonical mounts go right after the last remaining mount that is an
-    ancestor of theirs (C{/}, C{/tmp}), or first if there is none: a runtime
-    that applies mounts in order can then never cover them with a later
-    mount, and mounts inside the lock parent (other lock files' mounts, if a
-    plugin adds any) come after the parent instead of being hidden by it.
-    Every other mount keeps its place relative to the others.
+ 4. Every mount whose host path is the broker directory or inside it is
+    removed too, whatever its container path (issue 13): a writable second
+    view of the broker directory would let a workload replace C{broker.sock}.
+    Host paths are compared by spelling here; L{hostpid.node.hostpaths}
+    adds identity (C{stat}) where the path exists, injected through
+    L{IHostPaths}, so this module stays pure.
+ 5. Order (issue 13): every ancestor of the lock parent (C{/}, C{/tmp}),
+    then the lock parent, then the broker mount, then every mount inside
+    the lock parent, each group keeping its relative order; a runtime that
+    applies mounts in order then never covers one of ours, nor a lock file
+    mounted inside the parent, with a later mount.  The canonical mounts go
+    right after the last ancestor (or first), the mounts inside the lock
+    parent right after them, and every other mount keeps its place.
 
 Patching is idempotent: patching a patched response changes nothing.
 """
@@ -33,10 +40,13 @@ Patching is idempotent: patching a patched response changes nothing.
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
+from zope.interface import Interface, implementer
 
 from hostpid import defaults
 from hostpid.gate import ENABLED_VALUE, GATE_ENV
@@ -130,6 +140,33 @@ def is_reserved_mount(mount: Mount) -> bool:
     )
 
 
+class IHostPaths(Interface):
+    """How a mount's host path is judged against the broker directory."""
+
+    def names_broker_directory(host_path: str) -> bool:
+        """Whether C{host_path} is the broker directory or inside it."""
+
+
+@implementer(IHostPaths)
+@attrs.frozen
+class LexicalHostPaths:
+    """
+    The pure judgement: by spelling, after the same cleaning as container
+    paths.  L{hostpid.node.hostpaths.FilesystemHostPaths} adds identity.
+    """
+
+    broker_directory: str = defaults.BROKER_DIRECTORY
+
+    def names_broker_directory(self, host_path: str) -> bool:
+        return is_within(clean_container_path(host_path),
+                         clean_container_path(self.broker_directory))
+
+
+def is_inside_lock_parent(mount: Mount) -> bool:
+    """Whether C{mount} targets something strictly inside the lock parent."""
+    return is_ancestor(defaults.LOCK_PARENT, mount.target)
+
+
 def canonical_mounts(
     broker_enabled: bool,
     lock_parent: str = defaults.LOCK_PARENT,
@@ -153,6 +190,7 @@ def patch_response(
     broker_enabled: bool,
     lock_parent: str = defaults.LOCK_PARENT,
     broker_directory: str = defaults.BROKER_DIRECTORY,
+    host_paths: IHostPaths | None = None,
 ) -> AllocateResponse:
     """
     The response with the lock parent mount, the broker mount and the gate
@@ -165,17 +203,25 @@ def patch_response(
         (L{hostpid.lockparent.prepare_lock_parent}) first.
     @param broker_directory: the host directory mounted read-only at
         C{/tmp/vgpulock/hostpid}.
+    @param host_paths: how host paths are compared with C{broker_directory}
+        (default: by spelling, L{LexicalHostPaths}).
     """
+    judge = host_paths if host_paths is not None else LexicalHostPaths(broker_directory)
     envs = {key: value for key, value in response.envs.items() if key != GATE_ENV}
     if broker_enabled:
         envs[GATE_ENV] = ENABLED_VALUE
-    kept = [mount for mount in response.mounts if not is_reserved_mount(mount)]
+    kept = [
+        mount for mount in response.mounts
+        if not is_reserved_mount(mount) and not judge.names_broker_directory(mount.host_path)
+    ]
+    inside = [mount for mount in kept if is_inside_lock_parent(mount)]
+    rest = [mount for mount in kept if not is_inside_lock_parent(mount)]
     ours = canonical_mounts(broker_enabled, lock_parent, broker_directory)
     insert_at = 0
-    for index, mount in enumerate(kept):
+    for index, mount in enumerate(rest):
         if is_ancestor(mount.target, defaults.LOCK_PARENT):
             insert_at = index + 1
-    mounts = (*kept[:insert_at], *ours, *kept[insert_at:])
+    mounts = (*rest[:insert_at], *ours, *inside, *rest[insert_at:])
     return attrs.evolve(response, envs=envs, mounts=mounts)
 
 
@@ -188,6 +234,21 @@ _MOUNT_FIELDS = {"containerPath": "container_path", "hostPath": "host_path",
                  "readOnly": "read_only"}
 _DEVICE_FIELDS = {"containerPath": "container_path", "hostPath": "host_path",
                   "permissions": "permissions"}
+_CDI_DEVICE_FIELDS = {"name": "name"}
+
+#: The largest allocation response accepted, in bytes.  A real one is a few
+#: kilobytes (a few mounts, devices and variables); the bound keeps a broken
+#: or hostile producer from making the plugin's helper parse without limit.
+MAX_INPUT_BYTES = 1024 * 1024
+#: The deepest nesting of arrays and objects accepted.  The response itself
+#: is four levels deep; unknown fields get the rest.  Python's parser would
+#: otherwise end in a RecursionError near 1,000 levels.
+MAX_DEPTH = 64
+#: Integers must fit in 64 bits (signed or unsigned), as every JSON reader of
+#: a protobuf message can represent them; Python alone would accept any
+#: length, and refuses more than 4,300 digits only with a traceback.
+MIN_INTEGER = -(2**63)
+MAX_INTEGER = 2**64 - 1
 
 
 def _take_fields(
@@ -200,6 +261,7 @@ def _take_fields(
     both at once is ambiguous and refused.  C{null} means "not set".
     """
     by_proto = {proto: json_name for json_name, proto in names.items()}
+    _refuse_folded_keys(obj, names, by_proto, where)
     known: dict[str, Any] = {}
     extra: dict[str, Any] = {}
     for key, value in obj.items():
@@ -215,6 +277,51 @@ def _take_fields(
         if value is not None:
             known[json_name] = value
     return known, extra
+
+
+def fold_key(key: str) -> str:
+    """
+    C{key} case-folded, so that two keys a case-insensitive reader would
+    take for one field fold to the same string.
+
+    Go's C{encoding/json} matches an object key to a struct field exactly
+    first, else case-insensitively (ASCII case, plus Unicode simple folding:
+    C{"\u212a"}, the Kelvin sign, is a C{k} and C{"\u017f"}, the long s,
+    an C{s}), and the last key that matches wins.  Python's full case
+    folding puts together every pair Go does (and a few more, such as
+    C{"\u00df"} and C{"ss"}): refusing on it refuses at least what Go
+    would misread.
+    """
+    return key.casefold()
+
+
+def _refuse_folded_keys(
+    obj: Mapping[str, Any], names: Mapping[str, str], by_proto: Mapping[str, str], where: str
+) -> None:
+    """
+    Refuse keys that a case-insensitive reader (Go's C{encoding/json}, which
+    the documented Go consumer uses) would read differently from this code:
+    two keys equal under case folding (the reader keeps only the last), or a
+    key that folds onto a known field without being one of its accepted
+    spellings (this code would pass it through as unknown; the reader would
+    take it for the field, and it comes after the field in the output).
+    """
+    accepted = {fold_key(name): name for pair in names.items() for name in pair}
+    seen: dict[str, str] = {}
+    for key in obj:
+        folded = fold_key(key)
+        if folded in seen:
+            raise AllocationResponseError(
+                f"{where}: keys {seen[folded]!r} and {key!r} differ only in case; a "
+                "case-insensitive reader (Go's encoding/json) would keep only the last"
+            )
+        seen[folded] = key
+        if folded in accepted and key not in names and key not in by_proto:
+            raise AllocationResponseError(
+                f"{where}: key {key!r} is not an accepted spelling of field "
+                f"{accepted[folded]!r}, but a case-insensitive reader (Go's encoding/json) "
+                "would take it for that field"
+            )
 
 
 def _string(value: Any, where: str) -> str:
@@ -289,7 +396,12 @@ def response_from_object(obj: Any) -> AllocateResponse:
         for index, item in enumerate(_object_list(known.get("devices", []), "devices"))
     )
     if "cdiDevices" in known:
-        extra["cdiDevices"] = known["cdiDevices"]
+        cdi_devices = known["cdiDevices"]
+        if isinstance(cdi_devices, list):
+            for index, item in enumerate(cdi_devices):
+                if isinstance(item, dict):
+                    _take_fields(item, _CDI_DEVICE_FIELDS, f"cdiDevices[{index}]")
+        extra["cdiDevices"] = cdi_devices
     return AllocateResponse(
         envs=_string_map(known.get("envs", {}), "envs"),
         mounts=mounts,
@@ -336,22 +448,109 @@ def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return obj
 
 
+def _refuse_constant(name: str) -> Any:
+    """C{NaN}, C{Infinity}, C{-Infinity}: Python reads them, JSON has no such thing."""
+    raise AllocationResponseError(
+        f"the allocation response is not valid JSON: {name} is not a JSON number"
+    )
+
+
+def _bounded_int(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    value = int(text) if digits <= 20 else None
+    if value is None or not MIN_INTEGER <= value <= MAX_INTEGER:
+        raise AllocationResponseError(
+            f"the allocation response is not valid: an integer of {digits} digits does not "
+            "fit in 64 bits"
+        )
+    return value
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise AllocationResponseError(
+            f"the allocation response is not valid: the number {text[:40]} is out of range "
+            "for a 64-bit float"
+        )
+    return value
+
+
+#: A JSON string (skipped whole: brackets inside it do not nest) or a bracket.
+_NESTING_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+
+
+def check_nesting(text: str, limit: int = MAX_DEPTH) -> None:
+    """
+    Refuse C{text} if its arrays and objects nest deeper than C{limit},
+    before any parser recurses into it.  A lexical scan: strings are skipped,
+    brackets counted; malformed input is left for the parser to name.
+    """
+    depth = 0
+    for match in _NESTING_TOKENS.finditer(text):
+        token = match.group()
+        if token in "[{":
+            depth += 1
+            if depth > limit:
+                raise AllocationResponseError(
+                    f"the allocation response is not valid: arrays and objects nest deeper "
+                    f"than {limit} levels"
+                )
+        elif token in "]}":
+            depth -= 1
+
+
+def _decode(text: str | bytes) -> str:
+    if isinstance(text, str):
+        return text
+    try:
+        return text.decode(json.detect_encoding(text))
+    except UnicodeDecodeError as e:
+        raise AllocationResponseError(
+            f"the allocation response is not valid JSON: {e.reason} at byte {e.start}"
+        ) from e
+
+
 def response_from_json(text: str | bytes) -> AllocateResponse:
     """
     Parse a C{ContainerAllocateResponse} from JSON.
 
-    @raise AllocationResponseError: invalid JSON or a wrong shape.
+    Only JSON that every reader reads the same way is accepted: no
+    C{NaN}/C{Infinity}, no number out of 64-bit range, no key given twice or
+    twice under case folding (see L{_refuse_folded_keys}), at most
+    L{MAX_INPUT_BYTES} bytes and L{MAX_DEPTH} levels.
+
+    @raise AllocationResponseError: invalid JSON or a wrong shape, in one line.
     """
+    if len(text) > MAX_INPUT_BYTES:
+        raise AllocationResponseError(
+            f"the allocation response is larger than {MAX_INPUT_BYTES} bytes"
+        )
+    decoded = _decode(text)
+    check_nesting(decoded)
     try:
-        obj = json.loads(text, object_pairs_hook=_refuse_duplicate_keys)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        obj = json.loads(
+            decoded,
+            object_pairs_hook=_refuse_duplicate_keys,
+            parse_constant=_refuse_constant,
+            parse_int=_bounded_int,
+            parse_float=_finite_float,
+        )
+    except json.JSONDecodeError as e:
         raise AllocationResponseError(f"the allocation response is not valid JSON: {e}") from e
+    except RecursionError as e:  # pragma: no cover - check_nesting stops this first
+        raise AllocationResponseError(
+            "the allocation response is not valid: nested too deeply"
+        ) from e
     return response_from_object(obj)
 
 
 def response_to_json(response: AllocateResponse) -> str:
-    """The response as JSON with lowerCamelCase names (what protojson emits)."""
-    return json.dumps(response_to_object(response), indent=2)
+    """
+    The response as JSON with lowerCamelCase names (what protojson emits).
+    C{allow_nan=False}: whatever got in, nothing that is not JSON gets out.
+    """
+    return json.dumps(response_to_object(response), indent=2, allow_nan=False)
 
 
 def patch_json(
@@ -360,6 +559,7 @@ def patch_json(
     broker_enabled: bool,
     lock_parent: str = defaults.LOCK_PARENT,
     broker_directory: str = defaults.BROKER_DIRECTORY,
+    host_paths: IHostPaths | None = None,
 ) -> str:
     """L{patch_response} from JSON to JSON."""
     return response_to_json(
@@ -368,6 +568,7 @@ def patch_json(
             broker_enabled=broker_enabled,
             lock_parent=lock_parent,
             broker_directory=broker_directory,
+            host_paths=host_paths,
         )
     )
 

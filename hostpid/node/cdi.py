@@ -45,6 +45,8 @@ from hostpid import defaults
 from hostpid.gate import ENABLED_VALUE, GATE_ENV
 from hostpid.node.allocation import (
     AllocateResponse,
+    IHostPaths,
+    LexicalHostPaths,
     canonical_mounts,
     clean_container_path,
     is_ancestor,
@@ -398,10 +400,15 @@ def patch_response_cdi(
     *,
     broker_enabled: bool,
     annotate: bool = False,
+    host_paths: IHostPaths | None = None,
 ) -> AllocateResponse:
     """
     The response with the lock parent and broker named as a CDI device
     instead of carried as mounts.
+
+    Mounts whose host path is the broker directory (judged by C{host_paths},
+    by default by spelling against the default directory) are removed too,
+    as L{hostpid.node.allocation.patch_response} removes them (issue 13).
 
     As L{hostpid.node.allocation.patch_response}: the reserved key is
     cleared from C{envs} and every mount at a reserved path is removed.  Then
@@ -417,7 +424,11 @@ def patch_response_cdi(
     device = device_for(broker_enabled)
     name = qualified_name(device)
     envs = {key: value for key, value in response.envs.items() if key != GATE_ENV}
-    mounts = tuple(mount for mount in response.mounts if not is_reserved_mount(mount))
+    judge = host_paths if host_paths is not None else LexicalHostPaths()
+    mounts = tuple(
+        mount for mount in response.mounts
+        if not is_reserved_mount(mount) and not judge.names_broker_directory(mount.host_path)
+    )
     extra = dict(response.extra)
     kept = [item for item in _cdi_device_list(extra.get("cdiDevices", []))
             if not _is_our_device(item)]

@@ -23,13 +23,20 @@ name first: a regular file makes every later broker-enabled container fail to
 start, a symlink makes the runtime mount the broker over a directory of the
 victim's own choosing inside the container, and a workload-owned directory can
 later be swapped for either.  So preparation owns the entry: it must be a
-directory owned by the trusted UID with mode 0755.  A planted non-directory is
-unlinked (its target is never touched), a foreign directory is renamed aside
-to a quarantine name, and a fresh directory is made and verified.
+directory owned by the trusted UID with mode 0755.
+
+Issue 13: removing a planted entry and then creating ours leaves the name free
+for a moment, and a workload that re-creates its entry in a loop wins that
+moment every time.  So the broker's directory is finished under a random name
+first and put in place atomically with C{renameat2} (L{renameat}): the name is
+always either the planted entry or the finished directory.  What was swapped
+out is then unlinked (a non-directory; a symlink's target is never touched) or
+quarantined under a random name (a directory, with its content).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
@@ -42,6 +49,7 @@ from twisted.logger import Logger
 
 from hostpid import defaults
 from hostpid.errors import PathRuleError
+from hostpid.node import renameat
 
 log = Logger(namespace="hostpid.lockparent")
 
@@ -51,8 +59,13 @@ MOUNTPOINT_NAME = os.path.basename(defaults.CONTAINER_BROKER_DIRECTORY)
 MOUNTPOINT_MODE = 0o755
 #: Prefix of the name a foreign directory is renamed to.
 QUARANTINE_PREFIX = ".hostpid.quarantined."
-#: How often a mountpoint that keeps being replaced is inspected again.
-MOUNTPOINT_ATTEMPTS = 4
+#: Prefix of the random name the broker's directory is built under.
+BUILD_PREFIX = ".hostpid.new."
+#: A root-owned empty file saying "a broker mountpoint was made here".
+MARKER_NAME = ".hostpid.mountpoint-made"
+#: How often putting the directory in place is tried against a planter that
+#: removes and re-creates its own entry between two system calls.
+MOUNTPOINT_ATTEMPTS = 64
 
 _DIRECTORY_FLAGS = (
     os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
@@ -104,6 +117,8 @@ class PreparedLockParent:
     @ivar broker_mountpoint: whether the broker mountpoint was ensured (only
         when the broker is enabled).
     @ivar repairs: what had to be repaired at the broker mountpoint.
+    @ivar mountpoint_device: the broker mountpoint's C{st_dev}, when ensured.
+    @ivar mountpoint_inode: the broker mountpoint's C{st_ino}, when ensured.
     """
 
     path: str
@@ -111,6 +126,8 @@ class PreparedLockParent:
     inode: int
     broker_mountpoint: bool
     repairs: tuple[MountpointRepair, ...] = ()
+    mountpoint_device: int | None = None
+    mountpoint_inode: int | None = None
 
     @property
     def repair_count(self) -> int:
@@ -121,6 +138,10 @@ class PreparedLockParent:
         """One line per repair, for a command line to show an operator."""
         lines = []
         for repair in self.repairs:
+            if repair.found == "missing mountpoint":
+                lines.append(f"repaired {self.path}/{MOUNTPOINT_NAME}: it was missing although "
+                             f"an earlier allocation made it; {repair.action}")
+                continue
             moved = f" to {repair.quarantine_name}" if repair.quarantine_name else ""
             lines.append(
                 f"repaired {self.path}/{MOUNTPOINT_NAME}: found a {repair.found} owned by "
@@ -352,14 +373,19 @@ def _prepare(
                 child_fd, name, parent_fd, trusted_uid, defaults.LOCK_PARENT_MODE, shown
             )
             repairs: tuple[MountpointRepair, ...] = ()
+            mountpoint: os.stat_result | None = None
             if broker_enabled:
-                repairs = _ensure_mountpoint(child_fd, shown, trusted_uid, between_steps)
+                repairs, mountpoint = _ensure_mountpoint(
+                    child_fd, shown, trusted_uid, between_steps
+                )
             return PreparedLockParent(
                 path=shown,
                 device=final.st_dev,
                 inode=final.st_ino,
                 broker_mountpoint=broker_enabled,
                 repairs=repairs,
+                mountpoint_device=mountpoint.st_dev if mountpoint is not None else None,
+                mountpoint_inode=mountpoint.st_ino if mountpoint is not None else None,
             )
         finally:
             os.close(child_fd)
@@ -367,43 +393,33 @@ def _prepare(
         os.close(parent_fd)
 
 
+def _random_name(prefix: str) -> str:
+    """A fresh, clearly named, unguessable name inside the lock parent."""
+    return f"{prefix}{int(time.time())}.{secrets.token_hex(16)}"
+
+
 def _quarantine_name() -> str:
-    """A fresh, clearly named, unguessable name for a foreign directory."""
-    return f"{QUARANTINE_PREFIX}{int(time.time())}.{secrets.token_hex(16)}"
+    """Where a directory swapped out of the mountpoint is kept for its owner."""
+    return _random_name(QUARANTINE_PREFIX)
 
 
-def _repair(
-    lock_parent_fd: int, st: os.stat_result, shown: str, trusted_uid: int
-) -> MountpointRepair | None:
-    """
-    Clear what is at the mountpoint if it is not a trusted directory.
+#: Stands for "something is there" when a failed rename said so but the entry
+#: was gone again before it could be looked at.
+_PRESENT = os.stat_result((stat.S_IFREG, 0, 0, 0, -1, -1, 0, 0, 0, 0))
 
-    Returns the repair made, or C{None} when the entry is a directory owned
-    by the trusted UID (its mode is set afterwards by descriptor).
-    """
-    found = describe_type(st.st_mode)
-    if stat.S_ISDIR(st.st_mode):
-        if st.st_uid == trusted_uid:
-            return None
-        quarantine = _quarantine_name()
-        # renameat within the lock parent: never follows anything, and the
-        # content stays where its owner (and an operator) can find it.
-        os.rename(
-            MOUNTPOINT_NAME, quarantine, src_dir_fd=lock_parent_fd, dst_dir_fd=lock_parent_fd
-        )
-        repair = MountpointRepair(
-            found=found,
-            owner_uid=st.st_uid,
-            mode=stat.S_IMODE(st.st_mode),
-            action="quarantined",
-            quarantine_name=quarantine,
-        )
-    else:
-        # unlinkat removes the entry itself; a symlink's target is untouched.
-        os.unlink(MOUNTPOINT_NAME, dir_fd=lock_parent_fd)
-        repair = MountpointRepair(
-            found=found, owner_uid=st.st_uid, mode=stat.S_IMODE(st.st_mode), action="removed"
-        )
+
+def _lstat(name: str, dir_fd: int) -> os.stat_result | None:
+    try:
+        return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+
+
+def _is_trusted_directory(st: os.stat_result | None, trusted_uid: int) -> bool:
+    return st is not None and stat.S_ISDIR(st.st_mode) and st.st_uid == trusted_uid
+
+
+def _log_repair(shown: str, repair: MountpointRepair) -> None:
     log.warn(
         "Repaired the broker mountpoint {mountpoint}: found a {found} owned by UID "
         "{owner_uid} (mode {mode:04o}); {action}{quarantine_note}",
@@ -417,107 +433,280 @@ def _repair(
             f" as {repair.quarantine_name}" if repair.quarantine_name is not None else ""
         ),
     )
-    return repair
+
+
+def _build_directory(lock_parent_fd: int, shown: str, trusted_uid: int) -> tuple[str, int]:
+    """
+    Make the broker's directory under a fresh random name, finished before
+    anyone can see it at C{hostpid}: owned by C{trusted_uid}, mode 0755.
+
+    The random name is a root-owned entry in a sticky root-owned directory:
+    no workload user can rename, remove or replace it, so the descriptor
+    opened here and the name stay one directory until it is put in place.
+
+    @return: the name and an open descriptor of the directory.
+    """
+    for _ in range(MOUNTPOINT_ATTEMPTS):
+        name = _random_name(BUILD_PREFIX)
+        try:
+            os.mkdir(name, 0o700, dir_fd=lock_parent_fd)
+        except FileExistsError:
+            continue  # a planted name (it cannot be guessed): draw again
+        try:
+            fd = os.open(name, _DIRECTORY_FLAGS, dir_fd=lock_parent_fd)
+        except BaseException:
+            os.rmdir(name, dir_fd=lock_parent_fd)
+            raise
+        try:
+            held = os.fstat(fd)
+            if held.st_uid != trusted_uid:
+                os.fchown(fd, trusted_uid, -1)
+            os.fchmod(fd, MOUNTPOINT_MODE)
+        except BaseException:
+            os.close(fd)
+            os.rmdir(name, dir_fd=lock_parent_fd)
+            raise
+        return name, fd
+    raise LockParentError(shown, "cannot draw a free temporary name in the lock parent")
+
+
+def _adopt(
+    lock_parent_fd: int, shown: str, trusted_uid: int, between_steps: StepHook | None
+) -> tuple[int, tuple[MountpointRepair, ...]] | None:
+    """
+    Keep the trusted directory already at the mountpoint (restoring a
+    drifted mode), and return a descriptor of it; or C{None} if it is no
+    longer there to keep.
+
+    A directory owned by the trusted UID is never exchanged away: running
+    containers may have the broker mounted on it, and renaming a mountpoint
+    that is in use in another mount namespace detaches those mounts.
+    """
+    try:
+        fd = os.open(MOUNTPOINT_NAME, _DIRECTORY_FLAGS, dir_fd=lock_parent_fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
+            return None
+        raise LockParentError(shown, f"cannot be opened: {e.strerror}") from e
+    try:
+        _step(between_steps, "mountpoint-opened")
+        held = os.fstat(fd)
+        if not _is_trusted_directory(held, trusted_uid):
+            os.close(fd)
+            return None
+        repairs: tuple[MountpointRepair, ...] = ()
+        if stat.S_IMODE(held.st_mode) != MOUNTPOINT_MODE:
+            # Only the trusted UID can have changed it: drift, not an attack,
+            # but still worth a line and a count.
+            repairs = (
+                MountpointRepair(
+                    found="directory",
+                    owner_uid=held.st_uid,
+                    mode=stat.S_IMODE(held.st_mode),
+                    action="mode restored",
+                ),
+            )
+            log.warn(
+                "Restored the mode of the broker mountpoint {mountpoint} from "
+                "{mode:04o} to {wanted:04o}",
+                mountpoint=shown,
+                found="directory",
+                owner_uid=held.st_uid,
+                mode=stat.S_IMODE(held.st_mode),
+                wanted=MOUNTPOINT_MODE,
+            )
+            os.fchmod(fd, MOUNTPOINT_MODE)
+        _step(between_steps, "mountpoint-mode-set")
+        return fd, repairs
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _dispose(lock_parent_fd: int, name: str, shown: str) -> MountpointRepair | None:
+    """
+    Deal with the entry swapped out of the mountpoint, now at C{name}.
+
+    A non-directory is unlinked (the name only: a symlink's target is never
+    touched).  A directory is renamed to a quarantine name, with its
+    content, for its owner or an operator.  Nothing is ever followed.  The
+    entry belongs to the workload that planted it, which may still rename or
+    remove it: whatever is at C{name} when we look is what is handled, and
+    if it is gone there is nothing to do.
+    """
+    for _ in range(MOUNTPOINT_ATTEMPTS):
+        st = _lstat(name, lock_parent_fd)
+        if st is None:
+            return None
+        found = describe_type(st.st_mode)
+        try:
+            if stat.S_ISDIR(st.st_mode):
+                quarantine = _quarantine_name()
+                renameat.renameat2(
+                    name, quarantine, dir_fd=lock_parent_fd, flags=renameat.RENAME_NOREPLACE
+                )
+                repair = MountpointRepair(
+                    found=found, owner_uid=st.st_uid, mode=stat.S_IMODE(st.st_mode),
+                    action="quarantined", quarantine_name=quarantine,
+                )
+            else:
+                os.unlink(name, dir_fd=lock_parent_fd)
+                repair = MountpointRepair(
+                    found=found, owner_uid=st.st_uid, mode=stat.S_IMODE(st.st_mode),
+                    action="removed",
+                )
+        except OSError as e:
+            if e.errno in (errno.ENOENT, errno.EISDIR, errno.ENOTDIR, errno.EEXIST,
+                           errno.EPERM):
+                continue  # its owner changed it meanwhile: look again
+            raise
+        _log_repair(shown, repair)
+        return repair
+    # The owner keeps changing its own entry under our random name.  It is
+    # harmless there (the mountpoint is already ours); leave it and say so.
+    log.warn(
+        "Left the entry swapped out of {mountpoint} at {name}: its owner kept changing it",
+        mountpoint=shown, name=name,
+    )
+    return None
 
 
 def _ensure_mountpoint(
     lock_parent_fd: int, lock_parent: str, trusted_uid: int, between_steps: StepHook | None
-) -> tuple[MountpointRepair, ...]:
+) -> tuple[tuple[MountpointRepair, ...], os.stat_result]:
     """
     Make C{hostpid} inside the verified lock parent a directory owned by
-    C{trusted_uid} with mode 0755, repairing whatever was planted there.
+    C{trusted_uid} with mode 0755, so that the name is at every moment either
+    what was there before or the broker's finished directory, never free.
 
-    A workload can keep replacing its own entry while this runs (the sticky
-    bit lets it remove what it owns), so inspection and repair repeat a few
-    times; each failed race is a fresh inspection, never an action on a stale
-    observation.  The result is accepted only after a descriptor-based check
-    that the entry is the directory just opened.
+    A trusted directory already there is kept (see L{_adopt}).  Otherwise a
+    finished directory is built under a random name (L{_build_directory}) and
+    put in place with C{renameat2}: C{RENAME_NOREPLACE} when the name is
+    free, C{RENAME_EXCHANGE} when something is there.  Once in place, a
+    workload user can no longer remove it (root-owned, in a sticky directory),
+    so a planter racing the repair loses after one exchange; only a planter
+    that removes and re-creates its own entry between two system calls can
+    make one attempt fail, and the attempts repeat.  Whatever was swapped out
+    is then removed or quarantined (L{_dispose}).
+
+    @return: the repairs made, and the C{lstat} of the mountpoint accepted.
     """
     shown = f"{lock_parent}/{MOUNTPOINT_NAME}"
     repairs: list[MountpointRepair] = []
-    for _ in range(MOUNTPOINT_ATTEMPTS):
-        try:
-            st = os.stat(MOUNTPOINT_NAME, dir_fd=lock_parent_fd, follow_symlinks=False)
-        except FileNotFoundError:
-            pass
-        else:
-            _step(between_steps, "mountpoint-inspected")
+    if _is_trusted_directory(_lstat(MOUNTPOINT_NAME, lock_parent_fd), trusted_uid):
+        adopted = _adopt(lock_parent_fd, shown, trusted_uid, between_steps)
+        if adopted is not None:
+            fd, drift = adopted
             try:
-                repair = _repair(lock_parent_fd, st, shown, trusted_uid)
-            except FileNotFoundError:
-                continue  # its owner removed it meanwhile: look again
-            except OSError as e:
-                if e.errno in (errno.EISDIR, errno.ENOTDIR, errno.ENOTEMPTY, errno.EEXIST):
-                    continue  # replaced by another type meanwhile: look again
-                raise LockParentError(shown, f"cannot be repaired: {e.strerror}") from e
-            if repair is not None:
-                repairs.append(repair)
-        made = True
-        try:
-            os.mkdir(MOUNTPOINT_NAME, MOUNTPOINT_MODE, dir_fd=lock_parent_fd)
-        except FileExistsError:
-            # A trusted directory (already there, or made by a concurrent
-            # allocation) is kept; anything else was planted between the
-            # repair and mkdir: look again.
-            if not _is_trusted_directory(lock_parent_fd, trusted_uid):
-                continue
-            made = False
-        _step(between_steps, "mountpoint-made")
-        try:
-            fd = os.open(MOUNTPOINT_NAME, _DIRECTORY_FLAGS, dir_fd=lock_parent_fd)
-        except OSError as e:
-            if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
-                continue  # replaced between mkdir and open: look again
-            raise LockParentError(shown, f"cannot be opened: {e.strerror}") from e
-        try:
-            _step(between_steps, "mountpoint-opened")
-            held = os.fstat(fd)
-            if held.st_uid != trusted_uid:
-                raise LockParentError(
-                    shown,
-                    f"changed while prepared: the directory opened is owned by UID "
-                    f"{held.st_uid}, not the trusted UID {trusted_uid}",
+                final = _final_check(
+                    fd, MOUNTPOINT_NAME, lock_parent_fd, trusted_uid, MOUNTPOINT_MODE, shown
                 )
-            if not made and stat.S_IMODE(held.st_mode) != MOUNTPOINT_MODE:
-                # Only root can have made it, so this is drift, not an
-                # attack; still worth a line and a count.
-                repairs.append(
-                    MountpointRepair(
-                        found="directory",
-                        owner_uid=held.st_uid,
-                        mode=stat.S_IMODE(held.st_mode),
-                        action="mode restored",
-                    )
-                )
-                log.warn(
-                    "Restored the mode of the broker mountpoint {mountpoint} from "
-                    "{mode:04o} to {wanted:04o}",
-                    mountpoint=shown,
-                    found="directory",
-                    owner_uid=held.st_uid,
-                    mode=stat.S_IMODE(held.st_mode),
-                    wanted=MOUNTPOINT_MODE,
-                )
-            # mkdir's mode was filtered by the umask: set it by descriptor.
-            os.fchmod(fd, MOUNTPOINT_MODE)
-            _step(between_steps, "mountpoint-mode-set")
-            _final_check(fd, MOUNTPOINT_NAME, lock_parent_fd, trusted_uid, MOUNTPOINT_MODE, shown)
-            return tuple(repairs)
-        finally:
-            os.close(fd)
-    raise LockParentError(
-        shown,
-        f"kept being replaced during {MOUNTPOINT_ATTEMPTS} attempts to make it a directory "
-        f"owned by UID {trusted_uid}; refusing this allocation",
-    )
+            finally:
+                os.close(fd)
+            return drift, final
+    elif _lstat(MARKER_NAME, lock_parent_fd) is not None and \
+            _lstat(MOUNTPOINT_NAME, lock_parent_fd) is None and \
+            _marker_is_ours(lock_parent_fd, trusted_uid):
+        repairs.append(_report_missing(shown, trusted_uid))
 
-
-def _is_trusted_directory(lock_parent_fd: int, trusted_uid: int) -> bool:
-    """
-    Whether the mountpoint is now a directory owned by C{trusted_uid}.
-    """
+    build_name, fd = _build_directory(lock_parent_fd, shown, trusted_uid)
+    placed = swapped = False
     try:
-        st = os.stat(MOUNTPOINT_NAME, dir_fd=lock_parent_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == trusted_uid
+        _step(between_steps, "mountpoint-built")
+        st = _lstat(MOUNTPOINT_NAME, lock_parent_fd)
+        for _ in range(MOUNTPOINT_ATTEMPTS):
+            if _is_trusted_directory(st, trusted_uid):
+                # A concurrent allocation put its directory there first.
+                adopted = _adopt(lock_parent_fd, shown, trusted_uid, between_steps)
+                if adopted is None:
+                    st = _lstat(MOUNTPOINT_NAME, lock_parent_fd)
+                    continue
+                os.close(fd)
+                fd, drift = adopted
+                repairs.extend(drift)
+                break
+            # No second look between the attempts: each failure says which
+            # way the name just flipped, and the other flag is tried at once.
+            flags = renameat.RENAME_NOREPLACE if st is None else renameat.RENAME_EXCHANGE
+            try:
+                renameat.renameat2(build_name, MOUNTPOINT_NAME, dir_fd=lock_parent_fd,
+                                   flags=flags)
+            except OSError as e:
+                if e.errno == errno.EEXIST:
+                    st = _lstat(MOUNTPOINT_NAME, lock_parent_fd) or _PRESENT
+                    continue
+                if e.errno == errno.ENOENT:
+                    st = None
+                    continue
+                raise LockParentError(shown, f"cannot be put in place: {e.strerror}") from e
+            if flags == renameat.RENAME_EXCHANGE and _is_trusted_directory(
+                _lstat(build_name, lock_parent_fd), trusted_uid
+            ):
+                # We swapped out a concurrent allocation's finished directory
+                # (only the trusted UID makes those, so nobody else can have
+                # touched either name): swap it back, and keep it.
+                renameat.renameat2(build_name, MOUNTPOINT_NAME, dir_fd=lock_parent_fd,
+                                   flags=renameat.RENAME_EXCHANGE)
+                st = _lstat(MOUNTPOINT_NAME, lock_parent_fd)
+                continue
+            placed = True
+            swapped = flags == renameat.RENAME_EXCHANGE
+            break
+        else:
+            raise LockParentError(
+                shown,
+                f"kept being replaced during {MOUNTPOINT_ATTEMPTS} attempts to put a directory "
+                f"owned by UID {trusted_uid} in place; refusing this allocation",
+            )
+        _step(between_steps, "mountpoint-placed")
+        final = _final_check(
+            fd, MOUNTPOINT_NAME, lock_parent_fd, trusted_uid, MOUNTPOINT_MODE, shown
+        )
+    finally:
+        os.close(fd)
+        if not placed:
+            # Still ours under the random name (nobody else can touch it).
+            with contextlib.suppress(FileNotFoundError):
+                os.rmdir(build_name, dir_fd=lock_parent_fd)
+    if swapped:
+        repair = _dispose(lock_parent_fd, build_name, shown)
+        if repair is not None:
+            repairs.append(repair)
+    if placed:
+        _leave_marker(lock_parent_fd)
+    return tuple(repairs), final
+
+
+def _marker_is_ours(lock_parent_fd: int, trusted_uid: int) -> bool:
+    st = _lstat(MARKER_NAME, lock_parent_fd)
+    return st is not None and stat.S_ISREG(st.st_mode) and st.st_uid == trusted_uid
+
+
+def _leave_marker(lock_parent_fd: int) -> None:
+    """
+    Record, next to it, that a broker mountpoint was made in this lock
+    parent: if a later preparation finds the mountpoint gone while this
+    marker is there, someone removed it (only the trusted UID can), and that
+    is reported instead of silently made again.  Best effort: a marker a
+    workload planted first is left alone and simply not trusted.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        os.close(os.open(MARKER_NAME, flags, 0o644, dir_fd=lock_parent_fd))
+    except OSError:
+        pass
+
+
+def _report_missing(shown: str, trusted_uid: int) -> MountpointRepair:
+    repair = MountpointRepair(
+        found="missing mountpoint", owner_uid=trusted_uid, mode=0,
+        action="made again (it had been removed since an earlier allocation made it)",
+    )
+    log.warn(
+        "The broker mountpoint {mountpoint} was missing although an earlier allocation made "
+        "it: something running as UID {owner_uid} removed it (containers started before "
+        "lost their broker mount); {action}",
+        mountpoint=shown, found=repair.found, owner_uid=trusted_uid, mode=0,
+        action="made it again", quarantine_name=None,
+    )
+    return repair

@@ -153,9 +153,11 @@ class Runtime:
         self.runs: list[ContainerRun] = []
 
     def _config(self, mounts: Sequence[Mount], envs: dict[str, str], uid: int,
-                args: list[str]) -> dict[str, Any]:
-        def bind(source: str, destination: str, read_only: bool) -> dict[str, Any]:
-            options = ["bind", "nosuid", "nodev", "ro" if read_only else "rw"]
+                args: list[str], rbind: bool = False) -> dict[str, Any]:
+        def bind(source: str, destination: str, read_only: bool,
+                 recursive: bool = False) -> dict[str, Any]:
+            kind = "rbind" if recursive else "bind"
+            options = [kind, "nosuid", "nodev", "ro" if read_only else "rw"]
             return {"destination": destination, "type": "bind", "source": source,
                     "options": options}
 
@@ -170,7 +172,9 @@ class Runtime:
              "options": ["nosuid", "nodev", "mode=1777", "size=16m"]},
         ]
         # The allocation response's mounts, in its order: the point of the test.
-        response_mounts = [bind(m.host_path, m.container_path, m.read_only) for m in mounts]
+        # rbind=True: recursive, as containerd's CRI plugin binds every mount.
+        response_mounts = [bind(m.host_path, m.container_path, m.read_only, rbind)
+                           for m in mounts]
         env = [
             "PATH=/usr/local/bin:/usr/bin:/bin",
             f"PYTHONPATH={':'.join(self.python.pythonpath)}",
@@ -202,13 +206,13 @@ class Runtime:
         }
 
     def run(self, name: str, mounts: Sequence[Mount], envs: dict[str, str], uid: int,
-            args: list[str] | None = None) -> ContainerRun:
+            args: list[str] | None = None, rbind: bool = False) -> ContainerRun:
         """Run one container to completion; record and print what happened."""
         container_id = f"hostpid-e2e-{uuid.uuid4().hex[:12]}"
         bundle = self.workdir / container_id
         bundle.mkdir()
         script = query_script(self.python.executable)
-        config = self._config(mounts, envs, uid, args or ["/bin/sh", "-c", script])
+        config = self._config(mounts, envs, uid, args or ["/bin/sh", "-c", script], rbind)
         (bundle / "config.json").write_text(json.dumps(config, indent=2))
         pid_file = bundle / "init.pid"
         started = time.monotonic()
@@ -411,3 +415,143 @@ def test_planted_mountpoint_repaired_by_the_next_allocation(runtime: Runtime,
         assert (repaired.st_uid, repaired.st_mode) == (0, 0o040755)
         run = runtime.run("issue 9: after repair", mounts, envs, WORKLOAD_UID)
     assert_host_pid_answered(run)
+
+
+def test_lock_file_inside_the_parent_listed_before_tmp(runtime: Runtime, node: Node,
+                                                       tmp_path: Path) -> None:
+    """
+    Issue 13 item 4: a legacy lock file mounted inside the lock parent, listed
+    before the plugin's own C{/tmp} mount.  Patched, it comes after C{/tmp},
+    the parent and the broker mount, and the container sees it; in the old
+    order (it stayed before the parent) C{/tmp} and the parent hide it.
+    """
+    scratch = tmp_path / "scratch"
+    scratch.mkdir(mode=0o1777)
+    os.chmod(scratch, 0o1777)
+    legacy = tmp_path / "legacy.lock"
+    legacy.write_text("legacy-lock-content\n")
+    os.chmod(legacy, 0o644)
+    request = {"mounts": [{"containerPath": "/tmp/vgpulock/legacy.lock",
+                           "hostPath": str(legacy)},
+                          {"containerPath": "/tmp", "hostPath": str(scratch)}]}
+    script = ('echo "legacy $(cat /tmp/vgpulock/legacy.lock 2>/dev/null || echo hidden)"; '
+              + query_script(runtime.python.executable))
+    with running_broker(node.broker_dir):
+        mounts, envs, _ = allocate(node, "1", request)
+        assert [m.container_path for m in mounts] == [
+            "/tmp", "/tmp/vgpulock", "/tmp/vgpulock/hostpid", "/tmp/vgpulock/legacy.lock"]
+        run = runtime.run("legacy lock file after /tmp", mounts, envs, WORKLOAD_UID,
+                          ["/bin/sh", "-c", script])
+        old_order = (mounts[3], mounts[0], mounts[1], mounts[2])
+        hidden = runtime.run("legacy lock file first (old order)", old_order, envs,
+                             WORKLOAD_UID, ["/bin/sh", "-c", script])
+    assert "legacy legacy-lock-content" in run.stdout.splitlines()
+    assert_host_pid_answered(run)
+    # Hidden: what the container reads there is the empty mountpoint, not the file.
+    assert "legacy legacy-lock-content" not in hidden.stdout.splitlines()
+
+
+def test_broker_directory_under_another_name_is_not_mounted(runtime: Runtime, node: Node,
+                                                            tmp_path: Path) -> None:
+    """
+    Issue 13 item 4: a writable mount of the broker directory at another
+    container path, through a symlinked alias of its host path.  Kept (the
+    old code kept it), a root workload writes into the broker directory,
+    where it could replace C{broker.sock}; patched, the mount is gone.
+    """
+    alias = tmp_path / "alias"
+    alias.symlink_to(node.broker_dir)
+    request = {"mounts": [{"containerPath": "/safe", "hostPath": str(alias),
+                           "readOnly": False}]}
+    plant = ["/bin/sh", "-c", "touch /safe/planted && echo planted || echo refused"]
+    with running_broker(node.broker_dir):
+        mounts, envs, _ = allocate(node, "1", request)
+        assert [m.container_path for m in mounts] == ["/tmp/vgpulock", "/tmp/vgpulock/hostpid"]
+        run = runtime.run("alias of the broker dir, patched", mounts, envs, 0, plant)
+        assert not (node.broker_dir / "planted").exists()
+        kept = (*mounts, Mount("/safe", str(alias), False))
+        control = runtime.run("alias of the broker dir, kept (old code)", kept, envs, 0, plant)
+        planted = (node.broker_dir / "planted").exists()
+    assert "planted" not in run.stdout.split()
+    assert control.stdout.split() == ["planted"] and planted
+
+
+class MountHolder:
+    """
+    A process holding the broker mount on C{<lock parent>/hostpid} in a
+    mount namespace of its own, as a running broker-enabled container does;
+    it reports, when asked, whether it still sees C{broker.sock} there.
+    """
+
+    SCRIPT = (
+        "set -e; mount --make-rprivate /; mount --bind \"$1\" \"$2\"; "
+        "echo ready; while read _; do "
+        "if [ -S \"$2/broker.sock\" ]; then echo visible; else echo gone; fi; done"
+    )
+
+    def __init__(self, broker_dir: Path, mountpoint: Path) -> None:
+        self.process = subprocess.Popen(
+            ["unshare", "--mount", "sh", "-c", self.SCRIPT, "holder", str(broker_dir),
+             str(mountpoint)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        assert self.ask_raw() == "ready"
+
+    def ask_raw(self) -> str:
+        assert self.process.stdout is not None
+        return self.process.stdout.readline().strip()
+
+    def sees_socket(self) -> bool:
+        assert self.process.stdin is not None
+        self.process.stdin.write("?\n")
+        self.process.stdin.flush()
+        return self.ask_raw() == "visible"
+
+    def close(self) -> None:
+        self.process.kill()
+        self.process.communicate()
+
+
+RMDIR = ["/bin/sh", "-c",
+         "rmdir /tmp/vgpulock/hostpid 2>&1 && echo removed || echo refused"]
+
+
+@pytest.mark.parametrize(("host_mount", "rbind"), [(False, True), (True, True), (True, False)])
+def test_root_workload_rmdir_of_the_mountpoint(runtime: Runtime, node: Node,
+                                               host_mount: bool, rbind: bool) -> None:
+    """
+    Issue 13 item 5, measured: a UID 0 workload (no user namespace, no
+    capability but CAP_KILL) whose allocation has no broker mount removes
+    C{/tmp/vgpulock/hostpid}; the broker mount of a running container on that
+    mountpoint is detached.  With a host-side read-only bind of the broker
+    directory on the mountpoint, and the lock parent bound recursively
+    (rbind, as containerd's CRI does), the rmdir fails with EBUSY instead;
+    bound non-recursively, the container does not get the host-side mount,
+    and its rmdir detaches it from the host and from every container.
+    """
+    with running_broker(node.broker_dir):
+        allocate(node, "1")
+        off_mounts, off_envs, _ = allocate(node, "0")
+        mountpoint = node.lock_parent / "hostpid"
+        if host_mount:
+            subprocess.run(["mount", "--bind", str(node.broker_dir), str(mountpoint)],
+                           check=True)
+            subprocess.run(["mount", "-o", "remount,bind,ro", str(mountpoint)], check=True)
+        holder = MountHolder(node.broker_dir, mountpoint)
+        try:
+            assert holder.sees_socket()
+            run = runtime.run(f"root rmdir, host mount {host_mount}, rbind {rbind}",
+                              off_mounts, off_envs, 0, RMDIR, rbind=rbind)
+            still_visible = holder.sees_socket()
+        finally:
+            holder.close()
+            if host_mount:
+                subprocess.run(["umount", "-l", str(mountpoint)], check=False)
+    print(f"[e2e] host mount {host_mount}, rbind {rbind}: {run.stdout.strip()!r}; running "
+          f"container still sees broker.sock: {still_visible}")
+    if host_mount and rbind:
+        assert "resource busy" in run.stdout and "refused" in run.stdout
+        assert still_visible
+    else:
+        assert run.stdout.split() == ["removed"]
+        assert not still_visible, "the kernel detached the other container's broker mount"

@@ -1,0 +1,58 @@
+"""
+Run a command with a private C{/tmp}, so that nothing it does to
+C{/tmp/vgpulock} (the production lock parent) reaches the host's.
+
+Run under C{unshare --mount} (see L{support.run_with_private_tmp}): the mount
+namespace is this process's own, C{/tmp} in it is a fresh tmpfs (with the
+checkout and interpreter kept at their own paths if they live under the
+host's C{/tmp}), and the host's C{/tmp} is untouched.  After the command ends
+it reports, as one JSON line on the descriptor given, what C{/tmp/vgpulock}
+and C{/tmp/vgpulock/hostpid} are in the private C{/tmp}, then exits with the
+command's status.
+
+Usage: privatetmp.py STAGE REPORT_FD -- ARGV...
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "integration"))
+
+from nslayout import kept_under_tmp  # noqa: E402
+
+
+def mount(*args: str) -> None:
+    subprocess.run(["mount", *args], check=True)
+
+
+def describe(path: str) -> dict[str, int] | None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return {"mode": st.st_mode, "uid": st.st_uid, "ino": st.st_ino}
+
+
+def main(argv: list[str]) -> int:
+    stage, report_fd, separator, *command = argv
+    assert separator == "--" and command
+    mount("--make-rprivate", "/")
+    mount("-t", "tmpfs", "-o", "mode=1777", "tmpfs", stage)
+    for path in kept_under_tmp():
+        inside = f"{stage}/{os.path.relpath(path, '/tmp')}"
+        os.makedirs(inside, exist_ok=True)
+        mount("--rbind", path, inside)
+    mount("--rbind", stage, "/tmp")
+    status = subprocess.run(command, check=False).returncode
+    report = {path: describe(path) for path in ("/tmp/vgpulock", "/tmp/vgpulock/hostpid")}
+    with os.fdopen(int(report_fd), "w") as out:
+        out.write(json.dumps(report) + "\n")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

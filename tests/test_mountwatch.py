@@ -1,0 +1,70 @@
+"""
+The broker's watch of its mountpoint in the lock parent (issue 13 item 5):
+a root workload's C{rmdir} or replacement is logged and counted once.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import cast
+
+import pytest_twisted
+from support import require_root
+from twisted.internet.defer import maybeDeferred
+from twisted.logger import ILogObserver, globalLogPublisher
+
+from hostpid.broker.mountwatch import MountpointWatch
+from hostpid.broker.service import BrokerService
+from hostpid.node.lockparent import prepare_lock_parent
+
+
+def test_missing_and_replaced_are_logged_once(public_tmp: Path) -> None:
+    require_root()
+    lock_parent = public_tmp / "vgpulock"
+    watch = MountpointWatch(str(lock_parent))
+    prepare_lock_parent(str(lock_parent), broker_enabled=False)
+    assert watch.check() is None and watch.state == "unseen"  # not made yet: quiet
+    prepare_lock_parent(str(lock_parent), broker_enabled=True)
+    assert watch.check() is None and watch.state == "ok"
+    os.rmdir(lock_parent / "hostpid")  # what a root workload can do
+    message = watch.check()
+    assert message is not None and "missing" in message
+    assert watch.check() is None, "logged once, not every interval"
+    (lock_parent / "hostpid").symlink_to("/etc")  # and plant this for the next containers
+    replaced = watch.check()
+    assert replaced is not None and "replaced: it is not a directory owned by UID 0" in replaced
+    os.unlink(lock_parent / "hostpid")
+    prepare_lock_parent(str(lock_parent), broker_enabled=True)
+    # A directory made again is another directory: that is a replacement too.
+    assert watch.check() is not None
+    assert watch.check() is None and watch.state == "ok"
+    assert watch.events == 3
+
+
+@pytest_twisted.ensureDeferred
+async def test_broker_logs_a_removed_mountpoint(public_tmp: Path, clean_reactor: None) -> None:
+    require_root()
+    from twisted.internet import reactor
+
+    lock_parent = public_tmp / "vgpulock"
+    prepare_lock_parent(str(lock_parent), broker_enabled=True)
+    broker = BrokerService(
+        directory=str(public_tmp / "broker"), reactor=reactor, environ={
+            "LIBVGPU_HOSTPID_BROKER": "1"}, onFatal=lambda: None,
+        lockParent=str(lock_parent),
+    )
+    events: list[dict[str, object]] = []
+    observer = cast(ILogObserver, events.append)
+    globalLogPublisher.addObserver(observer)
+    broker.startService()
+    try:
+        broker.checkSocketPath()
+        os.rmdir(lock_parent / "hostpid")
+        broker.checkSocketPath()
+    finally:
+        globalLogPublisher.removeObserver(observer)
+        await maybeDeferred(broker.stopService)
+    assert broker.mountpointWatch.events == 1
+    assert [e["state"] for e in events
+            if e.get("log_namespace") == "hostpid.broker.mountwatch"] == ["missing"]
