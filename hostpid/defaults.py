@@ -38,6 +38,20 @@ MAX_CONNECTIONS = 512
 #: simultaneous naive clients see EAGAIN.
 LISTEN_BACKLOG = 1024
 
+#: The metrics and health server (C{--metrics}) shares the broker's process,
+#: reactor and descriptors.  It holds at most this many connections at once;
+#: one more is closed as soon as it is accepted.  A scraper and the kubelet's
+#: two probes need three; 16 leaves room for a few scrapers and for probes
+#: that overlap, and is counted in the broker's descriptor headroom
+#: (L{hostpid.broker.service.DESCRIPTOR_HEADROOM}), so no number of metrics
+#: clients can take a descriptor that a transaction needs.
+METRICS_MAX_CONNECTIONS = 16
+#: Each metrics request must arrive whole within this many seconds of the
+#: connection opening or of the previous response; data trickling in does not
+#: extend it (a slow sender cannot hold a slot), and an idle keep-alive
+#: connection is closed when it runs out.
+METRICS_REQUEST_TIMEOUT = 10.0
+
 #: Modes the design fixes.
 DIRECTORY_MODE = 0o711
 SOCKET_MODE = 0o666

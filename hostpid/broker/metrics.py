@@ -9,12 +9,23 @@ Metrics and health over HTTP, for operators and probes.
   - C{/readyz}: 200 only while the socket is listening and its path still
     has the identity of the socket the broker created; with the gate off the
     broker is ready (it has nothing to serve) and says so in the body.
+
+The server runs in the broker's process and reactor, so it must never take
+what the broker needs (see L{MetricsSite}): it holds at most
+L{defaults.METRICS_MAX_CONNECTIONS} connections and closes any other at
+accept; each request must arrive whole within
+L{defaults.METRICS_REQUEST_TIMEOUT}; only C{GET} and C{HEAD} are served, and
+a request that announces a body is answered 413 before Twisted would buffer
+that body (in memory, or in a temporary file on disk); no request makes it
+log a traceback.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
+import attrs
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -22,11 +33,16 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
+from twisted.internet.interfaces import IAddress
+from twisted.internet.protocol import connectionDone
+from twisted.logger import Logger
+from twisted.python.failure import Failure
 from twisted.web import http
 from twisted.web.resource import Resource
 from twisted.web.server import Request, Site
 
 import hostpid
+from hostpid import defaults
 from hostpid.broker.server import LATENCY_BUCKETS, Outcome
 from hostpid.broker.service import BrokerService
 
@@ -34,8 +50,9 @@ from hostpid.broker.service import BrokerService
 class BrokerCollector:
     """A Prometheus collector over one L{BrokerService}."""
 
-    def __init__(self, broker: BrokerService) -> None:
+    def __init__(self, broker: BrokerService, server: MetricsServerCounts | None = None) -> None:
         self.broker = broker
+        self.server = server if server is not None else MetricsServerCounts()
 
     def collect(self) -> Iterator[Metric]:
         broker = self.broker
@@ -100,6 +117,21 @@ class BrokerCollector:
         )
         errors.add_metric([], resource_errors)
         yield errors
+        yield self._gauge(
+            "hostpid_broker_metrics_connections",
+            "Connections the metrics server holds now "
+            f"(at most {defaults.METRICS_MAX_CONNECTIONS}).",
+            self.server.open,
+        )
+        refused = CounterMetricFamily(
+            "hostpid_broker_metrics_refused",
+            "Metrics connections or requests refused: over_limit (closed at accept), "
+            "timed_out (no whole request in time), method (405), body (413), failed (500).",
+            labels=["reason"],
+        )
+        for reason, count in self.server.refusals().items():
+            refused.add_metric([reason], count)
+        yield refused
         info = GaugeMetricFamily(
             "hostpid_broker_build_info", "Build information.", labels=["version"]
         )
@@ -161,23 +193,195 @@ class ReadyResource(Resource):
         return _text(request, 503, f"not ready: {broker.socketPath}: {problem or 'not listening'}")
 
 
-class _QuietSite(Site):
-    """A Site without access logs: probes every few seconds would drown the broker's log."""
+@attrs.define
+class MetricsServerCounts:
+    """What the metrics server holds and has refused, for the collector and the log."""
+
+    open: int = 0
+    overLimit: int = 0
+    timedOut: int = 0
+    method: int = 0
+    body: int = 0
+    failed: int = 0
+
+    def refusals(self) -> dict[str, int]:
+        return {
+            "over_limit": self.overLimit,
+            "timed_out": self.timedOut,
+            "method": self.method,
+            "body": self.body,
+            "failed": self.failed,
+        }
+
+
+#: Methods the server answers; any other is refused with 405.
+ALLOWED_METHODS = (b"GET", b"HEAD")
+
+_REASONS = {405: b"Method Not Allowed", 413: b"Content Too Large"}
+
+
+def _rateLimited(count: int) -> bool:
+    """Log the 1st, 2nd, 4th, 8th... occurrence only: any client behaviour, a bounded log."""
+    return count & (count - 1) == 0
+
+
+class MetricsChannel(http.HTTPChannel):
+    """
+    One metrics connection: Twisted's HTTP/1.1 parser with the broker's limits.
+
+      - The request deadline: C{TimeoutMixin}'s timer is armed at connect and
+        again after each response (Twisted does both), but received data does
+        not push it back (L{resetTimeout} does nothing), so a client trickling
+        one header byte at a time cannot hold its slot longer than
+        L{defaults.METRICS_REQUEST_TIMEOUT}.  When it fires the connection is
+        aborted, silently.
+      - Refusals before buffering: Twisted creates a request's content buffer
+        in C{allHeadersReceived} (C{Request.gotLength}: memory below 100 kB, a
+        temporary file above, which fails with a traceback on a read-only
+        root).  L{allHeadersReceived} decides first: a request that announces
+        a body (any C{Content-Length} but 0, or C{Transfer-Encoding}) gets
+        413, any method but C{GET}/C{HEAD} gets 405, the connection is
+        closed, and whatever else the client sends is dropped unread.
+    """
+
+    maxHeaders = 32
+    totalHeadersSize = 8192
+
+    site: MetricsSite
+    _refused = False
+
+    def connectionMade(self) -> None:
+        self.site.counts.open += 1
+        super().connectionMade()
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        self.site.counts.open -= 1
+        super().connectionLost(reason)
+
+    def resetTimeout(self) -> None:
+        """Data does not extend the request deadline (see the class docstring)."""
+
+    def timeoutConnection(self) -> None:
+        """Abort without Twisted's per-connection "Timing out client" log line."""
+        self.site.counts.timedOut += 1
+        if self.transport is not None:
+            self.transport.abortConnection()  # type: ignore[attr-defined]
+
+    def dataReceived(self, data: bytes) -> None:
+        if not self._refused:
+            super().dataReceived(data)
+
+    def allHeadersReceived(self) -> None:
+        counts = self.site.counts
+        if self.length != 0:  # a Content-Length above 0, or None for chunked
+            counts.body += 1
+            self._refuse(413, b"a request body is not accepted")
+        elif self._command not in ALLOWED_METHODS:
+            counts.method += 1
+            self._refuse(405, b"only GET and HEAD are served")
+        else:
+            super().allHeadersReceived()
+
+    def _refuse(self, code: int, text: bytes) -> None:
+        """
+        Answer C{code} and close.  C{length} is set non-zero so that Twisted's
+        C{lineReceived}, which called us, switches to raw mode instead of
+        dispatching the request, and C{_refused} drops anything after.
+        """
+        self._refused = True
+        self.length = None
+        body = text + b"\n"
+        headers = [
+            b"HTTP/1.1 %d %s" % (code, _REASONS[code]),
+            b"Content-Type: text/plain; charset=utf-8",
+            b"Content-Length: %d" % (len(body),),
+            b"Connection: close",
+        ]
+        if code == 405:
+            headers.append(b"Allow: " + b", ".join(ALLOWED_METHODS))
+        assert self.transport is not None
+        self.transport.write(b"\r\n".join(headers) + b"\r\n\r\n" + body)
+        self.loseConnection()
+
+
+class MetricsRequest(Request):
+    """A request whose failure is one rate-limited log line and a plain 500, never a traceback."""
+
+    logger = Logger()
+
+    def processingFailed(self, reason: Failure) -> Failure:
+        counts: MetricsServerCounts = getattr(self.site, "counts", MetricsServerCounts())
+        counts.failed += 1
+        if _rateLimited(counts.failed):
+            self.logger.error(
+                "hostpid-broker: metrics request {path} failed: {error} (failures so far: {count})",
+                path=self.path.decode("ascii", "replace"),
+                error=reason.getErrorMessage(),
+                count=counts.failed,
+            )
+        body = b"internal error\n"
+        self.setResponseCode(http.INTERNAL_SERVER_ERROR)
+        self.setHeader(b"content-type", b"text/plain; charset=utf-8")
+        self.setHeader(b"content-length", b"%d" % (len(body),))
+        self.write(body)
+        self.finish()
+        return reason
+
+
+class MetricsSite(Site):
+    """
+    The metrics server's factory: at most C{maxConnections} connections.
+
+    One more is refused at accept: L{buildProtocol} returns C{None} and the
+    listening port closes the new socket at once, so its descriptor is never
+    held.  (Clients still in the kernel's accept queue hold no descriptor of
+    the broker's.)  No access log: probes every few seconds would drown the
+    broker's log.
+    """
+
+    protocol = MetricsChannel  # type: ignore[assignment]
+    requestFactory = MetricsRequest
+    displayTracebacks = False
+    noisy = False
+    logger = Logger()
+
+    def __init__(
+        self,
+        resource: Resource,
+        counts: MetricsServerCounts | None = None,
+        maxConnections: int = defaults.METRICS_MAX_CONNECTIONS,
+        timeout: float = defaults.METRICS_REQUEST_TIMEOUT,
+        reactor: Any = None,
+    ) -> None:
+        super().__init__(resource, timeout=timeout, reactor=reactor)
+        self.counts = counts if counts is not None else MetricsServerCounts()
+        self.maxConnections = maxConnections
+
+    def buildProtocol(self, addr: IAddress) -> MetricsChannel | None:  # type: ignore[override]
+        counts = self.counts
+        if counts.open >= self.maxConnections:
+            counts.overLimit += 1
+            if _rateLimited(counts.overLimit):
+                self.logger.warn(
+                    "hostpid-broker: metrics server at its limit of {limit} connections; "
+                    "closed a new one at accept (so far: {count})",
+                    limit=self.maxConnections, count=counts.overLimit,
+                )
+            return None
+        return super().buildProtocol(addr)
 
     def log(self, request: http.Request) -> None:
         pass
 
 
-def metrics_site(broker: BrokerService) -> Site:
+def metrics_site(broker: BrokerService, reactor: Any = None) -> MetricsSite:
     """The HTTP site for C{--metrics}: /metrics, /healthz, /readyz."""
+    counts = MetricsServerCounts()
     registry = CollectorRegistry(auto_describe=True)
-    registry.register(BrokerCollector(broker))
+    registry.register(BrokerCollector(broker, counts))
     root = Resource()
     root.putChild(b"metrics", MetricsResource(registry))
     root.putChild(b"healthz", HealthResource())
     root.putChild(b"readyz", ReadyResource(broker))
-    site = _QuietSite(root)
-    site.displayTracebacks = False
-    site.noisy = False
-    return site
+    return MetricsSite(root, counts, reactor=reactor)
 

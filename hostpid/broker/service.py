@@ -74,9 +74,19 @@ def expected_uid_for(directory: str) -> int:
     return euid
 
 
-#: Descriptors the broker needs beyond one per active transaction: the
-#: listener, the directory and lock, a transient pidfd, logs, the metrics port.
-DESCRIPTOR_HEADROOM = 64
+#: Descriptors the broker needs beyond one per active transaction, for
+#: itself: the listener, the directory and lock, a transient pidfd, standard
+#: streams and logs, Twisted's waker and reserved descriptor, the metrics
+#: listener.  48 is several times what those take (about a dozen).
+BASE_DESCRIPTORS = 48
+
+#: Descriptors reserved beyond one per active transaction: the broker's own
+#: plus every connection the metrics server may hold.  The metrics server
+#: closes a connection over L{defaults.METRICS_MAX_CONNECTIONS} at accept, so
+#: with the soft C{RLIMIT_NOFILE} at C{maxConnections + DESCRIPTOR_HEADROOM}
+#: (what L{ensure_descriptors} sets) no metrics client can take a descriptor
+#: a transaction needs.
+DESCRIPTOR_HEADROOM = BASE_DESCRIPTORS + defaults.METRICS_MAX_CONNECTIONS
 
 
 def ensure_descriptors(maxConnections: int) -> tuple[int, int]:

@@ -7,9 +7,10 @@ from __future__ import annotations
 import gc
 from typing import Any
 
-from twisted.application import strports
-from twisted.application.service import IService, MultiService
-from twisted.internet.error import CannotListenError
+from twisted.application.internet import StreamServerEndpointService
+from twisted.application.service import IService
+from twisted.internet import endpoints
+from twisted.internet.interfaces import IProtocolFactory, IStreamServerEndpoint
 from twisted.python import usage
 
 from hostpid import defaults
@@ -31,6 +32,62 @@ def _positive_float(value: str) -> float:
     if not number > 0 or number == float("inf"):
         raise ValueError(f"must be a positive number of seconds, got {value!r}")
     return number
+
+
+def _reason(error: BaseException) -> str:
+    """An exception as the end of a one-line message."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    return str(error) or type(error).__name__
+
+
+def parse_metrics_endpoint(description: str, reactor: Any = None) -> IStreamServerEndpoint:
+    """
+    Parse C{--metrics} without listening (C{serverFromString} only builds the
+    endpoint), so that a mistyped value is a usage error before anything is
+    created.
+
+    @raise BrokerStartupError: naming the option and what is wrong (its one
+        line comes from L{refuse_in_one_line}).
+    """
+    if reactor is None:
+        from twisted.internet import reactor as _reactor
+
+        reactor = _reactor
+    try:
+        return endpoints.serverFromString(reactor, description)
+    except Exception as e:
+        raise BrokerStartupError(
+            f"--metrics {description!r}",
+            f"not a Twisted server endpoint string ({_reason(e)}); for example "
+            "tcp:9394:interface=127.0.0.1",
+        ) from None
+
+
+class MetricsEndpointService(StreamServerEndpointService):
+    """
+    The metrics server's listening service.  A failed listen raises at once
+    (twistd binds it in C{privilegedStartService}, before the broker creates
+    anything) as a L{BrokerStartupError} naming C{--metrics}, whatever the
+    endpoint raised (C{CannotListenError}, or an C{OSError} from a C{unix:}
+    endpoint's lock file).
+    """
+
+    _raiseSynchronously = True
+
+    def __init__(
+        self, description: str, endpoint: IStreamServerEndpoint, factory: IProtocolFactory
+    ) -> None:
+        super().__init__(endpoint, factory)
+        self.description = description
+
+    def privilegedStartService(self) -> None:
+        try:
+            super().privilegedStartService()
+        except Exception as e:
+            raise BrokerStartupError(
+                f"--metrics {self.description}", f"the metrics endpoint cannot listen: {_reason(e)}"
+            ) from None
 
 
 class Options(usage.Options):
@@ -59,7 +116,9 @@ class Options(usage.Options):
          _positive_float],
         ["metrics", None, None,
          "Twisted endpoint string for the HTTP metrics and health server "
-         "(/metrics, /healthz, /readyz), e.g. tcp:9394:interface=127.0.0.1.  Off by default."],
+         "(/metrics, /healthz, /readyz), e.g. tcp:9394:interface=127.0.0.1.  Off by default.  "
+         "It holds at most 16 connections, serves GET and HEAD only, and refuses request "
+         "bodies."],
         ["cdi-dir", None, None,
          "Write the CDI spec (kind hami.io/hostpid) into this directory at startup, "
          "following the gate, after preparing the lock parent; e.g. /var/run/cdi.  Off by "
@@ -68,21 +127,20 @@ class Options(usage.Options):
          "The host lock parent the CDI spec mounts at /tmp/vgpulock (with --cdi-dir)."],
     ]
 
+    def postOptions(self) -> None:
+        """A bad C{--metrics} is refused now, in one line, before anything is created."""
+        if self["metrics"]:
+            with refuse_in_one_line():
+                self.metricsEndpoint = parse_metrics_endpoint(self["metrics"])
+
 
 class _ExitOnStartupError(RefuseInOneLine):
     """
     The plugin's top service: a refused startup is one line on stderr and
-    exit status 1 (L{RefuseInOneLine}), the metrics port's
-    C{CannotListenError} included, since twistd binds it here too.
+    exit status 1 (L{RefuseInOneLine}), the metrics port's failed listen
+    included (L{MetricsEndpointService}), since twistd binds it in
+    C{privilegedStartService}.
     """
-
-    def privilegedStartService(self) -> None:
-        """twistd binds endpoint services (the metrics port) here, before startService."""
-        with refuse_in_one_line():
-            try:
-                MultiService.privilegedStartService(self)
-            except CannotListenError as e:
-                raise BrokerStartupError("metrics endpoint", str(e)) from None
 
     def startService(self) -> None:
         super().startService()
@@ -116,7 +174,9 @@ def _makeService(options: Options | dict[str, Any]) -> IService:
     if options["metrics"]:
         from hostpid.broker.metrics import metrics_site
 
-        strports.service(options["metrics"], metrics_site(broker)).setServiceParent(top)
+        description = options["metrics"]
+        endpoint = getattr(options, "metricsEndpoint", None) or parse_metrics_endpoint(description)
+        MetricsEndpointService(description, endpoint, metrics_site(broker)).setServiceParent(top)
     broker.setServiceParent(top)
     ReadinessNotifier().setServiceParent(top)
     return top

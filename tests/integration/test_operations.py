@@ -224,7 +224,8 @@ def test_metrics_port_in_use_refuses_startup_before_the_socket(tmp_path: Path) -
         ) as broker:
             assert broker.wait_exit() == 1
             output = broker.output()
-    assert "cannot start: metrics endpoint" in output
+    endpoint = f"tcp:{port}:interface=127.0.0.1"
+    assert f"cannot start: --metrics {endpoint}: the metrics endpoint cannot listen" in output
     assert "Traceback" not in output
     assert not (tmp_path / "broker" / "broker.sock").exists()
 
