@@ -9,6 +9,7 @@ Waits are bounded polls on a condition, never a bare sleep.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -282,12 +283,41 @@ def open_fd_count(pid: int | str = "self") -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def _names_listener(local: str, users: str, path: Path | str) -> bool:
+    """
+    Whether an C{ss} row's bound name is the socket at C{path}: either that
+    path, or C{/proc/self/fd/N/NAME} (the broker binds through its directory's
+    descriptor) where descriptor N of the owning process is C{path}'s directory.
+    """
+    path = os.fspath(path)
+    if local == path:
+        return True
+    bound = re.fullmatch(r"/proc/self/fd/(\d+)/(.+)", local)
+    if bound is None or bound.group(2) != os.path.basename(path):
+        return False
+    try:
+        directory = os.stat(os.path.dirname(path))
+    except OSError:
+        return False
+    for pid in re.findall(r"pid=(\d+)", users):
+        try:
+            if os.path.samestat(os.stat(f"/proc/{pid}/fd/{bound.group(1)}"), directory):
+                return True
+        except OSError:
+            continue
+    return False
+
+
 def _listener_queue(path: Path | str) -> tuple[int, int]:
     ss = require_tool("ss")
-    out = subprocess.run(
-        [ss, "-xlnH", "src", os.fspath(path)], capture_output=True, text=True, check=True
-    ).stdout.split()
-    return (int(out[2]), int(out[3])) if len(out) > 3 else (0, 0)
+    rows = subprocess.run(
+        [ss, "-xlnHp"], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    for row in rows:
+        fields = row.split()
+        if len(fields) > 4 and _names_listener(fields[4], row, path):
+            return int(fields[2]), int(fields[3])
+    return 0, 0
 
 
 def listen_queue(path: Path | str) -> int:

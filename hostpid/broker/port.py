@@ -42,6 +42,7 @@ from hostpid import defaults
 from hostpid.broker.fsrules import (
     BrokerStartupError,
     SocketIdentity,
+    descriptor_path,
     identify_socket,
     remove_socket_if_ours,
 )
@@ -98,17 +99,24 @@ class BrokerPort(unix.Port):
 
     def startListening(self) -> None:
         """
-        Bind, verify, listen.  The umask is set for the bind alone so the
-        socket is born 0666 (no bind-then-chmod window), and the path is then
-        checked by C{lstat} to be the socket just created, owned by us.
+        Bind, verify, listen.  The bind goes through the directory's
+        descriptor (C{/proc/self/fd/N/broker.sock}), so a path swapped above
+        the directory cannot make it create the socket anywhere else.  The
+        umask is set for the bind alone so the socket is born 0666 (no
+        bind-then-chmod window), and the path is then checked by C{lstat} to
+        be the socket just created, owned by us.
         """
+        directory = os.path.dirname(self.path)
+        bindPath = descriptor_path(self._directoryFd, directory, defaults.SOCKET_NAME)
         skt = self.createInternetSocket()
         oldUmask = os.umask(0o777 & ~defaults.SOCKET_MODE)
         try:
-            skt.bind(self._bindPath)
+            skt.bind(bindPath)
         except OSError as e:
             skt.close()
-            raise BrokerStartupError(self.path, f"cannot bind the socket: {e.strerror}") from None
+            raise BrokerStartupError(
+                self.path, f"cannot bind the socket: {e.strerror or e}"
+            ) from None
         finally:
             os.umask(oldUmask)
         info = identify_socket(self._directoryFd)

@@ -246,6 +246,7 @@ class BrokerService(Service):
                 "(systemd LimitNOFILE=, ulimit -n)",
                 limit=limit, wanted=wanted, maxConnections=self.maxConnections,
             )
+        fsrules.check_socket_path_length(self.socketPath)
         self._directoryFd = fsrules.open_broker_directory(self.directory, expectedUid)
         self.log.info(
             "hostpid-broker: directory prepared: {path} (UID {uid}, mode 0711)",
