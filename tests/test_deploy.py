@@ -385,10 +385,42 @@ def set_gate(doc: dict[str, Any], value: str) -> dict[str, Any]:
 def test_manifests_validate_against_kubernetes_schemas(version: str) -> None:
     documents = all_documents()
     kinds = sorted(doc["kind"] for _, doc in documents)
-    assert kinds == ["DaemonSet", "DaemonSet", "Namespace", "Pod", "ServiceAccount"]
+    assert kinds == ["DaemonSet", "DaemonSet", "Namespace", "NetworkPolicy", "Pod", "ServiceAccount"]
     for path, doc in documents:
         validated = kubernetes_validate.validate(doc, version, strict=True)
         assert validated == version.rsplit(".", 1)[0], (path, "validated against another version")
+
+
+def network_policy() -> dict[str, Any]:
+    (doc,) = load_documents(KUBERNETES / "30-networkpolicy.yaml")
+    assert doc["kind"] == "NetworkPolicy"
+    return doc
+
+
+def test_metrics_port_is_admitted_only_from_the_monitoring_namespace() -> None:
+    """
+    The metrics server shares the broker's process (docs/operations.md): the
+    NetworkPolicy selects the broker's pods, restricts ingress, and admits
+    only the monitoring namespace, only on the --metrics port.
+    """
+    policy = network_policy()
+    ds = daemonset()
+    container = broker_container(ds)
+    assert policy["metadata"]["namespace"] == ds["metadata"]["namespace"]
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    pod_labels = ds["spec"]["template"]["metadata"]["labels"]
+    assert selector.items() <= pod_labels.items(), "it selects the broker's pods"
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = policy["spec"]["ingress"]
+    (source,) = rule["from"]
+    assert source == {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
+    }
+    (port,) = rule["ports"]
+    declared = {p["name"]: p["containerPort"] for p in container["ports"]}
+    number = declared.get(port["port"], port["port"])
+    assert port["protocol"] == "TCP"
+    assert number == metrics_port(container_argv(container)), "the --metrics port, and only it"
 
 
 def test_schema_validation_rejects_an_unknown_field() -> None:
