@@ -385,7 +385,9 @@ def set_gate(doc: dict[str, Any], value: str) -> dict[str, Any]:
 def test_manifests_validate_against_kubernetes_schemas(version: str) -> None:
     documents = all_documents()
     kinds = sorted(doc["kind"] for _, doc in documents)
-    assert kinds == ["DaemonSet", "DaemonSet", "Namespace", "NetworkPolicy", "Pod", "ServiceAccount"]
+    assert kinds == [
+        "DaemonSet", "DaemonSet", "Namespace", "NetworkPolicy", "Pod", "ServiceAccount"
+    ]
     for path, doc in documents:
         validated = kubernetes_validate.validate(doc, version, strict=True)
         assert validated == version.rsplit(".", 1)[0], (path, "validated against another version")

@@ -13,6 +13,7 @@ import os
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from support import (
     require_tool,
     running_broker,
     subprocess_env,
+    twistd_argv,
     wait_for,
 )
 from twisted.internet.testing import MemoryReactorClock
@@ -40,14 +42,22 @@ SUN_PATH_MAX = 107
 
 
 def refused(directory: Path, *args: str, argv_prefix: tuple[str, ...] = ()) -> str:
-    """Start a broker that must refuse: its one refusal line, after a non-zero exit."""
-    with BrokerProcess(directory, args, argv_prefix=argv_prefix) as broker:
-        status = broker.wait_exit()
-        output = broker.output()
-    assert status != 0, output
-    assert "Traceback" not in output, output
-    lines = [line for line in output.splitlines() if "cannot start" in line]
-    assert len(lines) == 1, output
+    """
+    Start a broker that must refuse: exit 1, one line alone on stderr (the
+    log keeps its own record), no traceback.  Returns that line.
+    """
+    result = subprocess.run(
+        [*argv_prefix, *twistd_argv("--directory", str(directory), *args)],
+        env=subprocess_env(LIBVGPU_HOSTPID_BROKER="1"),
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60,
+        cwd=tempfile.gettempdir(),
+    )
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert "Traceback" not in result.stdout + result.stderr, result.stdout + result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hostpid-broker: cannot start: "), (
+        result.stdout, result.stderr
+    )
     return lines[0]
 
 

@@ -299,10 +299,11 @@ def test_bad_metrics_value_is_one_line_and_creates_nothing(tmp_path: Path, value
         capture_output=True, text=True, timeout=60, cwd=tmp_path,
     )
     output = result.stdout + result.stderr
-    assert result.returncode != 0, output
+    assert result.returncode == 1, output
     assert "Traceback" not in output
-    refusals = [line for line in output.splitlines() if "cannot start" in line]
+    refusals = result.stderr.splitlines()
     assert len(refusals) == 1, output
-    assert f"--metrics {value}" in refusals[0] or f"--metrics {value!r}" in refusals[0]
+    assert refusals[0].startswith("hostpid-broker: cannot start: --metrics "), refusals
+    assert f"--metrics {value}:" in refusals[0] or f"--metrics {value!r}:" in refusals[0]
     assert not directory.exists(), "no broker directory, lock or socket"
     assert os.listdir(tmp_path) == [], "nothing else either"

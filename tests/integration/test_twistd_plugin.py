@@ -145,7 +145,8 @@ def test_metrics_port_in_use_refusal_alone_on_stderr(tmp_path: Path) -> None:
         )
     assert_refused_alone_on_stderr(
         result,
-        f"hostpid-broker: cannot start: metrics endpoint: Couldn't listen on 127.0.0.1:{port}: "
+        f"hostpid-broker: cannot start: --metrics tcp:{port}:interface=127.0.0.1: the metrics "
+        f"endpoint cannot listen: Couldn't listen on 127.0.0.1:{port}: "
         "[Errno 98] Address already in use.",
     )
     assert not (tmp_path / "broker").exists()
