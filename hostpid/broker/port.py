@@ -218,6 +218,15 @@ class BrokerPort(unix.Port):
         if factory.passed is not None and factory.passed.closer.saturated:
             self._waitForCloser()
             return
+        started = self._clock.seconds()
+        try:
+            self._acceptBatch(factory)
+        finally:
+            if factory.answeredAtAccept:
+                factory.observeAccepted(started)
+
+    def _acceptBatch(self, factory: BrokerFactory) -> None:
+        """One turn's accepts (see L{doRead})."""
         accept = self.socket._accept  # type: ignore[union-attr]
         turn = self._acceptsPerTurn
         accepted = 0
