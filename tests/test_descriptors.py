@@ -125,3 +125,15 @@ def test_this_kernel_refuses_descriptors_when_asked() -> None:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         assert refuse_descriptor_passing(sock) is True
         assert sock.getsockopt(socket.SOL_SOCKET, SO_PASSRIGHTS) == 0
+
+
+def test_release_after_the_peer_reset_still_closes_in_place(pair) -> None:
+    """A client that closes without reading the reply must not cost a closer thread."""
+    server, client = pair
+    client.sendall(wire.GET_HOST_PID_REQUEST)
+    receiver = PassedDescriptors(BackgroundCloser())
+    assert receiver.receive(server, 8) == (wire.GET_HOST_PID_REQUEST, False)
+    server.send(wire.encode_ok(os.getpid()))
+    client.close()  # our reply unread: the server's side sees ECONNRESET once
+    assert receiver.release(server) is False
+    assert receiver.closer.pending == 0 and receiver.closer.closed == 0

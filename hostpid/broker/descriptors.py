@@ -196,25 +196,29 @@ class PassedDescriptors:
         found = False
         try:
             sock.shutdown(socket.SHUT_RD)
-            for _ in range(DRAIN_READS):
+        except OSError:
+            # Not connected any more: what its queue holds is unknown.
+            self.closer.submit(sock.detach())
+            return found
+        for _ in range(DRAIN_READS):
+            try:
                 data, ancillary, _flags, _ = sock.recvmsg(
                     _DRAIN_SIZE, ANCILLARY_SPACE, _RECV_FLAGS
                 )
-                if ancillary:
-                    found = True
-                    self._dispose(ancillary)
-                if not data and not ancillary:
-                    break
-            else:
-                self.closer.submit(sock.detach())
+            except ConnectionResetError:
+                # The peer closed without reading our reply: reported once,
+                # then the queue reads on.
+                continue
+            except OSError:
+                break
+            if ancillary:
+                found = True
+                self._dispose(ancillary)
+            elif not data:
+                # End of file after SHUT_RD: the queue is empty for good.
+                sock.close()
                 return found
-        except OSError:
-            # EAGAIN cannot happen after SHUT_RD with an empty queue (that is
-            # end of file); any error means the socket is unusable, and an
-            # unusable socket's queue is unknown: close it elsewhere.
-            self.closer.submit(sock.detach())
-            return found
-        sock.close()
+        self.closer.submit(sock.detach())
         return found
 
     def _dispose(self, ancillary: list[tuple[int, int, bytes]]) -> None:
