@@ -53,7 +53,8 @@ class BrokerCollector:
 
         latency = HistogramMetricFamily(
             "hostpid_broker_transaction_seconds",
-            "Accept-to-reply latency of answered transactions.",
+            "Accept-to-reply latency of answered transactions (an answer given at accept is "
+            "observed with the duration of its accept batch, an upper bound).",
         )
         if factory is not None:
             cumulative, buckets = 0, []
