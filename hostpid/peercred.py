@@ -8,9 +8,11 @@ wrapper, so this module is the one place that knows the C{struct ucred} layout.
 Credentials are fixed at connect time.  If the process that connected has
 since handed the connection on and exited, its PID may already name another
 process.  C{SO_PEERPIDFD} (Linux 6.5+) gives a pidfd for the very process that
-connected, and C{PIDFD_GET_INFO} (Linux 6.13+, else C{/proc/self/fdinfo})
-tells whether it still lives and what its PID is now: L{PeerIdentifier}
-answers only when both agree.
+connected, and C{pidfd_send_signal(pidfd, 0)} (Linux 5.1+) tells whether
+that process still exists, which is what makes its PID still its own:
+L{PeerIdentifier} answers only then.  Where that system call is refused (a
+seccomp filter), C{PIDFD_GET_INFO} (Linux 6.13+, else C{/proc/self/fdinfo})
+gives the pidfd's current PID instead, which must equal the one reported.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import _socket
 import errno
 import fcntl
 import os
+import signal
 import socket
 import struct
 from collections.abc import Callable
@@ -71,9 +74,49 @@ def peer_pidfd(sock: _socket.socket) -> int:
 
     @raise OSError: C{ENOPROTOOPT} on kernels before 6.5, or another error.
     """
-    return int.from_bytes(
-        sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD, 4), "little", signed=True
-    )
+    # With no buffer length, getsockopt returns the option as a C int.
+    return sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+
+
+_pidfd_send_signal = signal.pidfd_send_signal
+
+
+def pidfd_alive(pidfd: int) -> bool:
+    """
+    Whether the process C{pidfd} refers to still exists (a zombie not yet
+    reaped does: its PID is not free for reuse).  One system call, the
+    cheapest the kernel offers for the question: signal 0 is only checked,
+    never sent.  C{EPERM} (not ours to signal) still means it exists.
+
+    @raise OSError: anything but C{ESRCH} and C{EPERM}.
+    """
+    try:
+        _pidfd_send_signal(pidfd, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def pidfd_signal_usable() -> bool:
+    """
+    Whether L{pidfd_alive} can be trusted here: signalling our own pidfd
+    with 0 must succeed.  A seccomp filter that refuses the system call
+    answers C{EPERM} (or C{ENOSYS}), which L{pidfd_alive} would read as
+    "exists" for every peer.
+    """
+    try:
+        own = os.pidfd_open(os.getpid())
+    except OSError:
+        return False
+    try:
+        _pidfd_send_signal(own, 0)
+    except OSError:
+        return False
+    finally:
+        os.close(own)
+    return True
 
 
 def _fdinfo_pid(pidfd: int) -> int | None:
@@ -140,6 +183,9 @@ class PeerIdentifier:
     ) -> None:
         self.pidfdSupported: bool | None = None if usePidfd else False
         self._peerPidfd = peerPidfd
+        #: Whether the liveness test is one C{pidfd_send_signal}, or (where
+        #: that is refused) the pidfd's current PID compared with the reported one.
+        self.signalCheck = usePidfd and pidfd_signal_usable()
 
     def host_pid(self, sock: _socket.socket) -> int:
         """
@@ -167,6 +213,10 @@ class PeerIdentifier:
             return pid
         self.pidfdSupported = True
         try:
+            if self.signalCheck:
+                if pidfd_alive(pidfd):
+                    return pid
+                raise PeerGone(f"connected as PID {pid}, since exited")
             current = pidfd_current_pid(pidfd)
         except OSError as e:
             raise PeerCredentialsFailed(f"pidfd: {e.strerror}") from None

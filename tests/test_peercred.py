@@ -19,6 +19,7 @@ from hostpid.peercred import (
     PeerIdentifier,
     peer_credentials,
     peer_pidfd,
+    pidfd_alive,
     pidfd_current_pid,
 )
 
@@ -73,11 +74,33 @@ def test_identifier_vouches_for_a_live_peer_and_leaks_no_descriptor(pair) -> Non
     assert identifier.pidfdSupported is True
 
 
-def test_peer_that_exited_is_not_vouched_for(tmp_path: Path) -> None:
+@pytest.mark.parametrize("signalCheck", [True, False], ids=["pidfd_send_signal", "ioctl"])
+def test_peer_that_exited_is_not_vouched_for(tmp_path: Path, signalCheck: bool) -> None:
+    """Both liveness tests: signal 0 (the default here) and the pidfd's current PID."""
     connection = accepted_from_exited_child(tmp_path / "s")
+    identifier = PeerIdentifier()
+    assert identifier.signalCheck is True, "pidfd_send_signal usable on this kernel"
+    identifier.signalCheck = signalCheck
     with connection:
         with pytest.raises(PeerGone):
-            PeerIdentifier().host_pid(connection)
+            identifier.host_pid(connection)
+
+
+def test_pidfd_alive_tells_a_live_process_from_a_reaped_one() -> None:
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the child
+        os._exit(0)
+    pidfd = os.pidfd_open(child)
+    try:
+        os.waitpid(child, 0)
+        assert pidfd_alive(pidfd) is False
+    finally:
+        os.close(pidfd)
+    own = os.pidfd_open(os.getpid())
+    try:
+        assert pidfd_alive(own) is True
+    finally:
+        os.close(own)
 
 
 def test_without_pidfd_the_exited_peer_would_be_answered(tmp_path: Path) -> None:

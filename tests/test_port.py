@@ -146,3 +146,22 @@ def test_pending_resume_is_cancelled_when_the_port_closes(clock, tmp_path) -> No
     port.fileno = port.socket.fileno  # type: ignore[method-assign]
     port.connectionLost(Failure(Exception("stopped")))
     assert clock.getDelayedCalls() == []
+
+
+def test_answers_at_accept_are_timed_once_per_accept_batch(clock) -> None:
+    """
+    The fast path reads no clock per answer: the port observes the batch's
+    answers at its end, each with the batch's duration (an upper bound).
+    """
+    port, _ = make_port(clock, [])
+    port._acceptsPerTurn = 4
+    port.socket.errors = [0, 0, 0]  # type: ignore[attr-defined]
+    port.doRead()
+    factory = port.factory
+    assert factory.counts[0] == 3
+    assert factory.answeredAtAccept == 0
+    assert sum(factory.latency.counts) == 3
+    assert factory.latency.counts[0] == 3, "a MemoryReactorClock batch takes no time"
+    for client in port.socket.clients:  # type: ignore[attr-defined]
+        assert client.recv(64) == wire.encode_ok(os.getpid())
+        client.close()

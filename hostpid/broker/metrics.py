@@ -43,6 +43,7 @@ from twisted.web.server import Request, Site
 
 import hostpid
 from hostpid import defaults
+from hostpid.broker.descriptors import DescriptorMode
 from hostpid.broker.server import LATENCY_BUCKETS, Outcome
 from hostpid.broker.service import BrokerService
 
@@ -69,7 +70,8 @@ class BrokerCollector:
 
         latency = HistogramMetricFamily(
             "hostpid_broker_transaction_seconds",
-            "Accept-to-reply latency of answered transactions.",
+            "Accept-to-reply latency of answered transactions (an answer given at accept is "
+            "observed with the duration of its accept batch, an upper bound).",
         )
         if factory is not None:
             cumulative, buckets = 0, []
@@ -109,6 +111,22 @@ class BrokerCollector:
             "1 when callers are verified with SO_PEERPIDFD, 0 when the kernel lacks it "
             "(SO_PEERCRED alone), -1 before the first caller.",
             -1 if supported is None else int(supported),
+        )
+        mode = broker.port.descriptorMode if broker.port is not None else None
+        passing = GaugeMetricFamily(
+            "hostpid_broker_descriptor_passing",
+            "1 for the mode in force for descriptors clients pass: refused (SO_PASSRIGHTS=0, "
+            "the kernel refuses them) or received (no SO_PASSRIGHTS: received and disposed of).",
+            labels=["mode"],
+        )
+        for candidate in DescriptorMode:
+            passing.add_metric([candidate.value], int(candidate is mode))
+        yield passing
+        passed = factory.passed if factory is not None else None
+        yield self._gauge(
+            "hostpid_broker_passed_descriptors_closing",
+            "Passed descriptors waiting for, or in, a close on the background closer's threads.",
+            passed.closer.pending if passed is not None else 0,
         )
         resource_errors = broker.port.resourceErrors if broker.port is not None else 0
         errors = CounterMetricFamily(

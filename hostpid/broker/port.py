@@ -20,6 +20,12 @@ path on close only if that identity still matches, backs off on resource
 errors (5 ms doubling to 1 s, then recovers by itself), treats any other
 accept error as fatal to the broker, and gives every accepted connection to
 the factory's fast path before building a protocol for it.
+
+It also decides how descriptors passed by clients are met (see
+L{hostpid.broker.descriptors}): refused by the kernel through
+C{SO_PASSRIGHTS} on the listener, or, where the kernel lacks it, received by
+L{ReceivingServer} on the general path and by the factory's receiving fast
+path.
 """
 
 from __future__ import annotations
@@ -30,15 +36,20 @@ import os
 import socket
 import stat
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
-from twisted.internet import tcp, unix
+from twisted.internet import main, tcp, unix
 from twisted.internet.address import UNIXAddress
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from hostpid import defaults
+from hostpid.broker.descriptors import (
+    DescriptorMode,
+    PassedDescriptors,
+    refuse_descriptor_passing,
+)
 from hostpid.broker.fsrules import (
     BrokerStartupError,
     SocketIdentity,
@@ -64,6 +75,43 @@ _PEER_ADDRESS = UNIXAddress(None)
 #: sockets are served even under a flood.
 ACCEPTS_PER_TURN = 128
 
+#: While the background closer is saturated, how often to look again.
+CLOSER_RECHECK = 0.05
+
+
+class ReceivingServer(unix.Server):
+    """
+    The general path's transport where clients can pass descriptors.
+
+    Twisted's own C{doRead} receives them with C{recvmsg}, logs a line for
+    every message that carries any (a client can flood the log), and closes
+    them in the reactor thread (a lingering socket blocks it).  This one
+    reads through the factory's L{PassedDescriptors}, tells the protocol
+    (which ends the transaction with no reply, counted), and closes the
+    connection without dropping a passed descriptor's last reference here.
+    """
+
+    def _passed(self) -> PassedDescriptors:
+        passed = cast(BrokerFactory, self.server.factory).passed
+        assert passed is not None, "ReceivingServer without PassedDescriptors"
+        return passed
+
+    def doRead(self) -> Any:
+        try:
+            data, carried = self._passed().receive(self.socket, self.bufferSize)
+        except BlockingIOError:
+            return None
+        except OSError:
+            return main.CONNECTION_LOST
+        if carried:
+            self.protocol.descriptorsReceived()  # type: ignore[attr-defined]
+            return None
+        return self._dataReceived(data)
+
+    def _closeSocket(self, orderly: bool) -> None:
+        if self._passed().release(self.socket):
+            self.protocol.descriptorsFound()  # type: ignore[attr-defined]
+
 
 class BrokerPort(unix.Port):
     """
@@ -83,8 +131,14 @@ class BrokerPort(unix.Port):
         onFatal: Callable[[Failure], None],
         backlog: int = defaults.LISTEN_BACKLOG,
         expectedUid: int | None = None,
+        receiveDescriptors: bool = False,
     ) -> None:
         super().__init__(path.encode(), factory, backlog=backlog, reactor=reactor)
+        #: Whether to skip C{SO_PASSRIGHTS} and receive passed descriptors,
+        #: as on a kernel without it (for tests of that mode).
+        self._receiveDescriptors = receiveDescriptors
+        #: How passed descriptors are met, once listening.
+        self.descriptorMode: DescriptorMode | None = None
         self.path = path
         self.factory: BrokerFactory = factory
         self._directoryFd = directoryFd
@@ -96,6 +150,7 @@ class BrokerPort(unix.Port):
         self._acceptsPerTurn = 1
         self._resume: IDelayedCall | None = None
         self.resourceErrors = 0
+        self.closerPauses = 0
 
     def startListening(self) -> None:
         """
@@ -131,6 +186,19 @@ class BrokerPort(unix.Port):
                 self.path, "is not the socket just bound (replaced during startup?)"
             )
         self.identity = SocketIdentity.of(info)
+        try:
+            refused = not self._receiveDescriptors and refuse_descriptor_passing(skt)
+        except OSError as e:
+            skt.close()
+            raise BrokerStartupError(
+                self.path, f"cannot set SO_PASSRIGHTS on the socket: {e.strerror}"
+            ) from None
+        if refused:
+            self.descriptorMode = DescriptorMode.REFUSED
+        else:
+            self.descriptorMode = DescriptorMode.RECEIVED
+            self.factory.receiveDescriptors(PassedDescriptors())
+            self.transport = ReceivingServer
         skt.listen(self.backlog)
         self.factory.doStart()
         self.connected = True
@@ -155,6 +223,18 @@ class BrokerPort(unix.Port):
         second C{accept} that fails with EAGAIN.
         """
         factory = self.factory
+        if factory.passed is not None and factory.passed.closer.saturated:
+            self._waitForCloser()
+            return
+        started = self._clock.seconds()
+        try:
+            self._acceptBatch(factory)
+        finally:
+            if factory.answeredAtAccept:
+                factory.observeAccepted(started)
+
+    def _acceptBatch(self, factory: BrokerFactory) -> None:
+        """One turn's accepts (see L{doRead})."""
         accept = self.socket._accept  # type: ignore[union-attr]
         turn = self._acceptsPerTurn
         accepted = 0
@@ -208,6 +288,23 @@ class BrokerPort(unix.Port):
         self.stopReading()
         self._resume = self._clock.callLater(self._backoff, self._resumeAccepting)
         self._backoff = min(self._backoff * 2, BACKOFF_MAX)
+
+    def _waitForCloser(self) -> None:
+        """
+        Every background closer thread is stuck on a descriptor some client
+        passed, and the queue is full: accept nothing until it drains, since
+        each new connection could bring more.  The reactor stays free.
+        """
+        self.closerPauses += 1
+        if self.closerPauses & (self.closerPauses - 1) == 0:
+            self.log.warn(
+                "hostpid-broker: {pending} passed descriptors still closing; not accepting "
+                "until the background closer catches up (pauses so far: {count})",
+                pending=self.factory.passed.closer.pending,  # type: ignore[union-attr]
+                count=self.closerPauses,
+            )
+        self.stopReading()
+        self._resume = self._clock.callLater(CLOSER_RECHECK, self._resumeAccepting)
 
     def _resumeAccepting(self) -> None:
         self._resume = None

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import resource
+import socket
 import stat
 import sys
 from collections.abc import Callable, Mapping
@@ -31,6 +32,12 @@ from twisted.python.failure import Failure
 
 from hostpid import defaults
 from hostpid.broker import disabled, fsrules
+from hostpid.broker.descriptors import (
+    CLOSER_QUEUE,
+    SCM_MAX_FD,
+    DescriptorMode,
+    refuse_descriptor_passing,
+)
 from hostpid.broker.mountwatch import MountpointWatch
 from hostpid.broker.pidns import OVERRIDE_OPTION, PROC_PID_INIT_INO, check_host_pid_namespace
 from hostpid.broker.port import BrokerPort
@@ -43,6 +50,11 @@ WATCH_INTERVAL = 1.0
 
 #: The exit status after a fatal error once serving.
 FATAL_EXIT_STATUS = 1
+
+#: For tests only: C{"1"} makes the broker receive passed descriptors (the
+#: mode of kernels without C{SO_PASSRIGHTS}) even where the kernel could
+#: refuse them.  It weakens nothing: that mode is safe, only slower.
+RECEIVE_DESCRIPTORS_ENV = "HOSTPID_BROKER_TEST_RECEIVE_DESCRIPTORS"
 
 
 def is_default_directory(directory: str) -> bool:
@@ -87,9 +99,14 @@ BASE_DESCRIPTORS = 48
 #: (what L{ensure_descriptors} sets) no metrics client can take a descriptor
 #: a transaction needs.
 DESCRIPTOR_HEADROOM = BASE_DESCRIPTORS + defaults.METRICS_MAX_CONNECTIONS
+#: And, where clients can pass descriptors (no SO_PASSRIGHTS), room for one
+#: full SCM_RIGHTS message and for those waiting in the background closer:
+#: a receive that finds the table full makes the kernel release the rest in
+#: the receiving thread, which is what must never happen.
+PASSED_DESCRIPTOR_HEADROOM = SCM_MAX_FD + CLOSER_QUEUE
 
 
-def ensure_descriptors(maxConnections: int) -> tuple[int, int]:
+def ensure_descriptors(maxConnections: int, extra: int = 0) -> tuple[int, int]:
     """
     Raise the soft C{RLIMIT_NOFILE} so that C{maxConnections} transactions fit
     (up to the hard limit).  Running out of descriptors is survivable (accept
@@ -98,7 +115,7 @@ def ensure_descriptors(maxConnections: int) -> tuple[int, int]:
 
     @return: the soft limit now in force, and the number wanted.
     """
-    wanted = maxConnections + DESCRIPTOR_HEADROOM
+    wanted = maxConnections + DESCRIPTOR_HEADROOM + extra
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < wanted:
         raised = wanted if hard == resource.RLIM_INFINITY else min(hard, wanted)
@@ -106,6 +123,15 @@ def ensure_descriptors(maxConnections: int) -> tuple[int, int]:
             resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
             soft = raised
     return soft, wanted
+
+
+def passing_unrefusable() -> bool:
+    """Whether this kernel lacks C{SO_PASSRIGHTS} (asked on a throwaway socket)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            return not refuse_descriptor_passing(probe)
+        except OSError:
+            return True
 
 
 def exit_process(reactor: Any, status: int = FATAL_EXIT_STATUS) -> None:
@@ -151,7 +177,14 @@ class BrokerService(Service):
         identifier: PeerIdentifier | None = None,
         cdiDirectory: str | None = None,
         lockParent: str = defaults.LOCK_PARENT,
+        receiveDescriptors: bool | None = None,
     ) -> None:
+        """
+        @param receiveDescriptors: receive passed descriptors instead of
+            having the kernel refuse them (C{SO_PASSRIGHTS}), as a kernel
+            without that option forces; for tests.  C{None}: as
+            L{RECEIVE_DESCRIPTORS_ENV} in C{environ} says (default off).
+        """
         if reactor is None:
             from twisted.internet import reactor as _reactor
 
@@ -171,6 +204,10 @@ class BrokerService(Service):
         #: Watches C{<lockParent>/hostpid} while serving: quiet until it has
         #: been seen (a broker that cannot see the lock parent never logs).
         self.mountpointWatch = MountpointWatch(lockParent)
+        if receiveDescriptors is None:
+            env = os.environ if environ is None else environ
+            receiveDescriptors = env.get(RECEIVE_DESCRIPTORS_ENV) == "1"
+        self.receiveDescriptors = receiveDescriptors
         self.factory: BrokerFactory | None = None
         self.port: BrokerPort | None = None
         self.failed = False
@@ -238,7 +275,10 @@ class BrokerService(Service):
                 namespace=namespace, option=OVERRIDE_OPTION,
             )
         expectedUid = expected_uid_for(self.directory)
-        limit, wanted = ensure_descriptors(self.maxConnections)
+        limit, wanted = ensure_descriptors(
+            self.maxConnections, PASSED_DESCRIPTOR_HEADROOM
+            if self.receiveDescriptors or passing_unrefusable() else 0,
+        )
         if limit < wanted:
             self.log.warn(
                 "hostpid-broker: RLIMIT_NOFILE is {limit}, below the {wanted} descriptors that "
@@ -273,8 +313,21 @@ class BrokerService(Service):
             self.reactor,
             self._listenerFailed,
             expectedUid=expectedUid,
+            receiveDescriptors=self.receiveDescriptors,
         )
         self.port.startListening()
+        if self.port.descriptorMode is DescriptorMode.REFUSED:
+            self.log.info(
+                "hostpid-broker: descriptor passing refused by the kernel (SO_PASSRIGHTS=0): "
+                "a client's sendmsg with SCM_RIGHTS fails with EPERM"
+            )
+        else:
+            self.log.info(
+                "hostpid-broker: descriptor passing: {why}; descriptors clients pass are "
+                "received and disposed of off the hot path (no reply; outcome descriptors)",
+                why="forced by " + RECEIVE_DESCRIPTORS_ENV if self.receiveDescriptors
+                else "this kernel has no SO_PASSRIGHTS (Linux 6.16+)",
+            )
         self.log.info(
             "hostpid-broker: listening on {path} (max {maxConnections} active, "
             "deadline {deadline}s)",

@@ -1,0 +1,209 @@
+"""
+Issue 12, items 2 and 3: descriptors passed to the broker with C{SCM_RIGHTS}.
+
+Item 2: a workload passes a TCP socket with C{SO_LINGER {1, 30}} and a full
+send queue (to its own loopback listener, which never reads), then closes
+its copy.  Before the fix the broker held the last reference and the kernel's
+C{tcp_close} waited 30 s in the broker's only thread (in the fast path's
+C{recv()}, which discards passed descriptors, or when Twisted closed them):
+no client was answered meanwhile.  Now, where the kernel has C{SO_PASSRIGHTS}
+the attacker's C{sendmsg} fails with C{EPERM}; where it does not (forced here
+with the broker's test switch) the broker receives the socket, sets
+C{SO_LINGER {1, 0}} and closes it at once.  The attacker is a real UID 1000
+process.
+
+Item 3: every message carrying a descriptor made Twisted log a line ("does
+not provide IFileDescriptorReceiver"); now it is an outcome, logged at
+powers of two.
+"""
+
+from __future__ import annotations
+
+import array
+import errno
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from support import as_user_argv, ask_pid, connect, require_root, running_broker, wait_for
+
+from hostpid import wire
+from hostpid.broker.service import RECEIVE_DESCRIPTORS_ENV
+
+pytestmark = pytest.mark.privileged
+
+LINGER = 30
+#: A real client's bound: far below the linger time, generous for a shared machine.
+CLIENT_BOUND = 5.0
+
+#: argv: socket path, how many, linger seconds, how ("whole": the request and
+#: the socket in one message; "split": half the request, then the other half
+#: with the socket, so it arrives on the general path; "oob": the socket on an
+#: out-of-band byte, then the request: without SO_OOBINLINE the broker's next
+#: read would discard that byte, releasing the socket in the broker's thread).
+#: Prints one JSON list of what each sendmsg gave, then waits for stdin to
+#: close (its listeners keep the passed sockets lingering).
+ATTACKER = r"""
+import array, errno, json, socket, struct, sys, time
+path, count, linger, how = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+REQUEST = b"HPID\x00\x01\x00\x01"
+keep = []
+def lingering():
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    sock.connect(listener.getsockname())
+    sock.setblocking(False)
+    full = 0
+    while full < 5:  # until the peer's window and our queue stay full
+        try:
+            sock.send(b"x" * 65536)
+            full = 0
+        except BlockingIOError:
+            full += 1
+            time.sleep(0.02)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, linger))
+    keep.append(listener)
+    return sock
+def send(conn, data, sock, flags=0):
+    try:
+        conn.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                               array.array("i", [sock.fileno()]))], flags)
+        return "sent"
+    except OSError as e:
+        return errno.errorcode[e.errno]
+results = []
+for _ in range(count):
+    sock = lingering()
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(path)
+    if how == "whole":
+        results.append(send(conn, REQUEST, sock))
+    elif how == "split":
+        conn.sendall(REQUEST[:4])
+        time.sleep(0.05)
+        results.append(send(conn, REQUEST[4:], sock))
+    else:
+        results.append(send(conn, b"!", sock, socket.MSG_OOB))
+        try:
+            conn.sendall(REQUEST)
+        except OSError:
+            pass
+    if results[-1] != "sent":  # still ours alone: do not linger in our own close
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+    keep.append(conn)
+print(json.dumps(results), flush=True)
+sys.stdin.read()
+"""
+
+
+def _broker_env(mode: str) -> dict[str, str]:
+    return {RECEIVE_DESCRIPTORS_ENV: "1"} if mode == "received" else {}
+
+
+@pytest.mark.parametrize("how", ["whole", "split", "oob"])
+@pytest.mark.parametrize("mode", ["refused", "received"])
+def test_passed_lingering_socket_does_not_freeze_the_broker(
+    public_tmp: Path, mode: str, how: str
+) -> None:
+    require_root()
+    with running_broker(public_tmp / "broker", env=_broker_env(mode)) as broker:
+        attacker = subprocess.Popen(
+            as_user_argv(1000, [sys.executable, "-c", ATTACKER, str(broker.socket_path),
+                                "3", str(LINGER), how]),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        try:
+            assert attacker.stdout is not None
+            results = json.loads(attacker.stdout.readline())
+            waits = []
+            for _ in range(20):
+                started = time.monotonic()
+                pid = ask_pid(broker.socket_path, timeout=CLIENT_BOUND)
+                waits.append(time.monotonic() - started)
+                assert pid == os.getpid(), f"a real client was not answered: {waits}"
+        finally:
+            attacker.kill()
+            attacker.wait()
+        assert max(waits) < CLIENT_BOUND
+        if mode == "refused":
+            assert results == ["EPERM"] * 3, "the kernel refuses SCM_RIGHTS to the broker"
+            assert "descriptor passing refused by the kernel" in broker.output()
+        else:
+            assert results == ["sent"] * 3
+            wait_for(lambda: "descriptors transactions so far: 2" in broker.output(),
+                     "the passed sockets counted as outcome descriptors")
+            assert "descriptor passing: forced by" in broker.output()
+
+
+def test_so_passrights_is_inherited_by_accepted_connections(public_tmp: Path) -> None:
+    """The option is set on the listener only; an accepted connection refuses too."""
+    with running_broker(public_tmp / "broker") as broker:
+        with connect(broker.socket_path) as sock:
+            # The broker has accepted us once a byte it reads leaves the queue:
+            # send half a request, wait for it to be read, then try a descriptor.
+            sock.sendall(wire.GET_HOST_PID_REQUEST[:4])
+            wait_for(lambda: _unread(sock) == 0, "the broker to read the first bytes")
+            with pytest.raises(PermissionError) as caught:
+                sock.sendmsg([wire.GET_HOST_PID_REQUEST[4:]], [_rights(sock.fileno())])
+            assert caught.value.errno == errno.EPERM
+            sock.sendall(wire.GET_HOST_PID_REQUEST[4:])
+            assert sock.recv(64) == wire.encode_ok(os.getpid())
+
+
+def _unread(sock: socket.socket) -> int:
+    """Bytes we sent that the peer has not read yet (SIOCOUTQ on a Unix socket)."""
+    import fcntl
+    import termios
+
+    buf = array.array("i", [0])
+    fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, buf)
+    return buf[0]
+
+
+def _rights(fd: int) -> tuple[int, int, array.array]:
+    return (socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))
+
+
+def _broker_log_lines(output: str) -> int:
+    return len(output.splitlines())
+
+
+@pytest.mark.parametrize("mode", ["refused", "received"])
+def test_descriptor_messages_do_not_flood_the_log(public_tmp: Path, mode: str) -> None:
+    """1,000 connections x 7 one-byte messages, each with a descriptor: < 30 log lines."""
+    with running_broker(public_tmp / "broker", env=_broker_env(mode)) as broker:
+        before = _broker_log_lines(broker.output())
+        results: dict[str, int] = {}
+        passed = os.open("/dev/null", os.O_RDONLY)
+        try:
+            for _ in range(1000):
+                with connect(broker.socket_path) as sock:
+                    for _ in range(7):
+                        try:
+                            sock.sendmsg([b"H"], [_rights(passed)])
+                            outcome = "sent"
+                        except OSError as e:
+                            outcome = errno.errorcode[e.errno or 0]
+                        results[outcome] = results.get(outcome, 0) + 1
+        finally:
+            os.close(passed)
+        assert ask_pid(broker.socket_path) == os.getpid()
+        added = _broker_log_lines(broker.output()) - before
+        assert added < 30, f"{added} log lines:\n{broker.output()[-3000:]}"
+        if mode == "refused":
+            assert results == {"EPERM": 7000}
+        else:
+            assert results.get("sent", 0) >= 1000, results
+            wait_for(lambda: "descriptors transactions so far: 512" in broker.output(),
+                     "the connections counted as outcome descriptors")
+        assert _broker_log_lines(broker.output()) - before < 30

@@ -1,0 +1,139 @@
+"""
+L{hostpid.broker.descriptors} on real sockets: what the I{received} mode does
+with each descriptor a client passes, and how it closes a connection.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import socket
+import struct
+from collections.abc import Iterator
+
+import pytest
+from support import wait_for
+
+from hostpid import wire
+from hostpid.broker.descriptors import (
+    SO_PASSRIGHTS,
+    BackgroundCloser,
+    PassedDescriptors,
+    refuse_descriptor_passing,
+)
+
+
+def rights(*fds: int) -> list[tuple[int, int, array.array]]:
+    return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+
+
+def fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture
+def tcp() -> Iterator[tuple[socket.socket, socket.socket]]:
+    """A connected loopback TCP socket (and its listener)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    client = socket.create_connection(listener.getsockname())
+    yield listener, client
+    client.close()
+    listener.close()
+
+
+def test_an_internet_socket_is_reset_on_close_not_lingered(pair, tcp) -> None:
+    server, client = pair
+    _, passed = tcp
+    observer = passed.dup()  # our own reference, to look at the option afterwards
+    before = fd_count()
+    client.sendmsg([wire.GET_HOST_PID_REQUEST], rights(passed.fileno()))
+    receiver = PassedDescriptors(BackgroundCloser())
+    data, carried = receiver.receive(server, 256)
+    assert (data, carried) == (wire.GET_HOST_PID_REQUEST, True)
+    assert struct.unpack("ii", observer.getsockopt(
+        socket.SOL_SOCKET, socket.SO_LINGER, 8)) == (1, 0)
+    assert fd_count() == before, "closed in place, not handed to the closer"
+    assert receiver.closer.pending == 0 and receiver.received == 1
+    observer.close()
+
+
+def test_any_other_descriptor_is_closed_by_the_background_closer(pair) -> None:
+    server, client = pair
+    read, write = os.pipe()
+    client.sendmsg([b"x"], rights(read))
+    os.close(read)
+    receiver = PassedDescriptors(BackgroundCloser())
+    assert receiver.receive(server, 256) == (b"x", True)
+    wait_for(lambda: receiver.closer.closed == 1, "the closer to close the pipe")
+    with pytest.raises(BrokenPipeError):
+        os.write(write, b"x")  # the broker's copy, the last reader, is gone
+    os.close(write)
+
+
+def test_release_drains_what_came_after_the_request_and_stops_the_sender(pair) -> None:
+    server, client = pair
+    read, write = os.pipe()
+    client.sendall(wire.GET_HOST_PID_REQUEST)
+    client.sendmsg([b"y"], rights(read))
+    os.close(read)
+    receiver = PassedDescriptors(BackgroundCloser())
+    assert receiver.receive(server, 8) == (wire.GET_HOST_PID_REQUEST, False)
+    assert receiver.release(server) is True, "the message behind the request was found"
+    with pytest.raises(OSError):
+        client.sendmsg([b"z"], rights(write))
+    wait_for(lambda: receiver.closer.closed == 1, "the pipe closed off this thread")
+    os.close(write)
+
+
+def test_release_of_a_clean_connection_finds_nothing(pair) -> None:
+    server, client = pair
+    client.sendall(wire.GET_HOST_PID_REQUEST)
+    receiver = PassedDescriptors(BackgroundCloser())
+    assert receiver.receive(server, 8) == (wire.GET_HOST_PID_REQUEST, False)
+    assert receiver.release(server) is False
+    assert receiver.closer.pending == 0
+
+
+def test_out_of_band_descriptors_are_received_once_inline(pair) -> None:
+    """Without SO_OOBINLINE the second read would silently discard the descriptor."""
+    server, client = pair
+    read, write = os.pipe()
+    client.sendmsg([b"!"], rights(read), socket.MSG_OOB)
+    client.sendall(wire.GET_HOST_PID_REQUEST)
+    os.close(read)
+    receiver = PassedDescriptors(BackgroundCloser())
+    receiver.prepare(server)
+    assert receiver.receive(server, 256) == (b"!", True)
+    os.close(write)
+
+
+def test_closer_saturates_at_its_limit() -> None:
+    closer = BackgroundCloser(threads=1, limit=2)
+    read, write = os.pipe()
+    closer.submit(os.dup(read))
+    closer.submit(os.dup(read))
+    # pending may already be falling: the point is that it is counted, then drains.
+    wait_for(lambda: closer.closed == 2 and not closer.saturated, "the closer to drain")
+    os.close(read)
+    os.close(write)
+
+
+def test_this_kernel_refuses_descriptors_when_asked() -> None:
+    """Linux 6.16+ (this machine runs 6.18): SO_PASSRIGHTS can be set and reads back 0."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        assert refuse_descriptor_passing(sock) is True
+        assert sock.getsockopt(socket.SOL_SOCKET, SO_PASSRIGHTS) == 0
+
+
+def test_release_after_the_peer_reset_still_closes_in_place(pair) -> None:
+    """A client that closes without reading the reply must not cost a closer thread."""
+    server, client = pair
+    client.sendall(wire.GET_HOST_PID_REQUEST)
+    receiver = PassedDescriptors(BackgroundCloser())
+    assert receiver.receive(server, 8) == (wire.GET_HOST_PID_REQUEST, False)
+    server.send(wire.encode_ok(os.getpid()))
+    client.close()  # our reply unread: the server's side sees ECONNRESET once
+    assert receiver.release(server) is False
+    assert receiver.closer.pending == 0 and receiver.closer.closed == 0
