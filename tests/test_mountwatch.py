@@ -14,6 +14,7 @@ from support import require_root
 from twisted.internet.defer import maybeDeferred
 from twisted.logger import ILogObserver, globalLogPublisher
 
+from hostpid.broker.metrics import BrokerCollector
 from hostpid.broker.mountwatch import MountpointWatch
 from hostpid.broker.service import BrokerService
 from hostpid.node.lockparent import prepare_lock_parent
@@ -66,5 +67,9 @@ async def test_broker_logs_a_removed_mountpoint(public_tmp: Path, clean_reactor:
         globalLogPublisher.removeObserver(observer)
         await maybeDeferred(broker.stopService)
     assert broker.mountpointWatch.events == 1
+    (family,) = [
+        f for f in BrokerCollector(broker).collect() if f.name == "hostpid_broker_mountpoint_events"
+    ]
+    assert [sample.value for sample in family.samples] == [1]
     assert [e["state"] for e in events
             if e.get("log_namespace") == "hostpid.broker.mountwatch"] == ["missing"]

@@ -135,6 +135,14 @@ class BrokerCollector:
         )
         errors.add_metric([], resource_errors)
         yield errors
+        mountpoint = CounterMetricFamily(
+            "hostpid_broker_mountpoint_events",
+            "Times the broker mountpoint <lock parent>/hostpid went missing or was replaced "
+            "while the broker served (a root workload's rmdir detaches the broker mount in "
+            "every running container).",
+        )
+        mountpoint.add_metric([], broker.mountpointWatch.events)
+        yield mountpoint
         yield self._gauge(
             "hostpid_broker_metrics_connections",
             "Connections the metrics server holds now "

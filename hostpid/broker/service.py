@@ -42,6 +42,7 @@ from hostpid.broker.mountwatch import MountpointWatch
 from hostpid.broker.pidns import OVERRIDE_OPTION, PROC_PID_INIT_INO, check_host_pid_namespace
 from hostpid.broker.port import BrokerPort
 from hostpid.broker.server import BrokerFactory
+from hostpid.errors import PathRuleError
 from hostpid.gate import GATE_ENV, gate_enabled
 from hostpid.peercred import PeerIdentifier
 
@@ -175,11 +176,20 @@ class BrokerService(Service):
         watchInterval: float = WATCH_INTERVAL,
         allowNonHostPidNamespace: bool = False,
         identifier: PeerIdentifier | None = None,
-        cdiDirectory: str | None = None,
+        prepareNode: Callable[[bool], None] | None = None,
         lockParent: str = defaults.LOCK_PARENT,
         receiveDescriptors: bool | None = None,
     ) -> None:
         """
+        @param prepareNode: what the node side needs ready at every start,
+            called with whether the broker is enabled: after the lock is
+            taken and before listening, or, with the gate off, instead of
+            serving.  A L{PathRuleError} it raises is a startup refusal.  The
+            twistd plugin's C{--cdi-dir} passes
+            L{hostpid.node.cdiwrite.SpecPublisher} here; the broker itself
+            knows nothing of CDI.
+        @param lockParent: the host lock parent, whose C{hostpid} mountpoint
+            the broker watches while serving.
         @param receiveDescriptors: receive passed descriptors instead of
             having the kernel refuse them (C{SO_PASSRIGHTS}), as a kernel
             without that option forces; for tests.  C{None}: as
@@ -199,7 +209,7 @@ class BrokerService(Service):
         self.watchInterval = watchInterval
         self.allowNonHostPidNamespace = allowNonHostPidNamespace
         self.identifier = identifier
-        self.cdiDirectory = cdiDirectory
+        self.prepareNode = prepareNode
         self.lockParent = lockParent
         #: Watches C{<lockParent>/hostpid} while serving: quiet until it has
         #: been seen (a broker that cannot see the lock parent never logs).
@@ -227,7 +237,7 @@ class BrokerService(Service):
         super().startService()
         if not self.enabled:
             try:
-                self._publishCdiSpec()
+                self._prepareNode()
             except BaseException:
                 self.running = False
                 raise
@@ -297,9 +307,10 @@ class BrokerService(Service):
             "hostpid-broker: lock taken: {path}",
             path=os.path.join(self.directory, defaults.LOCK_NAME),
         )
-        # After the lock (a second broker must not touch the spec) and before
-        # listening (a refusal leaves no socket behind).
-        self._publishCdiSpec()
+        # After the lock (a second broker must not touch what the node side
+        # prepares, such as the CDI spec) and before listening (a refusal
+        # leaves no socket behind).
+        self._prepareNode()
         state = fsrules.clear_socket_path(self._directoryFd, self.directory, expectedUid)
         if state is fsrules.SocketPathState.STALE_REMOVED:
             self.log.info("hostpid-broker: stale socket removed: {path}", path=self.socketPath)
@@ -337,37 +348,16 @@ class BrokerService(Service):
         self._watch.clock = self.reactor
         self._watch.start(self.watchInterval, now=False)
 
-    def _publishCdiSpec(self) -> None:
-        """
-        With C{--cdi-dir}: prepare the lock parent and write the CDI spec for
-        this broker's gate, so the spec is back after a reboot clears
-        C{/var/run/cdi}.  A failure is a startup refusal naming the path.
-        """
-        if self.cdiDirectory is None:
+    def _prepareNode(self) -> None:
+        """Run L{prepareNode}; its refusal is the broker's startup refusal."""
+        if self.prepareNode is None:
             return
-        from hostpid.errors import PathRuleError
-        from hostpid.node.cdi import CdiSpecError, qualified_name
-        from hostpid.node.cdiwrite import publish_spec
-
         try:
-            published = publish_spec(
-                self.cdiDirectory,
-                broker_enabled=self.enabled,
-                lock_parent=self.lockParent,
-                broker_directory=self.directory,
-            )
+            self.prepareNode(self.enabled)
+        except fsrules.BrokerStartupError:
+            raise
         except PathRuleError as e:
             raise fsrules.BrokerStartupError(e.path, e.rule) from e
-        except CdiSpecError as e:
-            raise fsrules.BrokerStartupError(self.cdiDirectory, str(e)) from e
-        for line in published.prepared.describe_repairs():
-            self.log.warn("hostpid-broker: {repair}", repair=line)
-        assert published.written is not None
-        self.log.info(
-            "hostpid-broker: CDI spec written: {path} ({device}: {edits})",
-            path=published.written.path, device=qualified_name("broker"),
-            edits="broker mounts and gate" if self.enabled else "lock parent only",
-        )
 
     def socketPathProblem(self) -> str | None:
         """

@@ -34,12 +34,15 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import attrs
+from twisted.logger import Logger
 
 from hostpid import defaults
 from hostpid.errors import PathRuleError
 from hostpid.node import cdi
 from hostpid.node.allocation import clean_container_path
 from hostpid.node.lockparent import PreparedLockParent, describe_type, prepare_lock_parent
+
+_log = Logger(namespace="hostpid-broker")
 
 #: The spec file's mode: root writes, runtimes (and operators) read.
 SPEC_MODE = 0o644
@@ -339,6 +342,40 @@ def publish_spec(
         text = cdi.spec_to_json(spec)
         written = spec_directory.write(text)
     return PublishedSpec(prepared, spec, text, written)
+
+
+@attrs.frozen
+class SpecPublisher:
+    """
+    The broker's C{--cdi-dir}, as a C{BrokerService(prepareNode=...)}
+    callable: at every start, prepare the lock parent and write the spec for
+    the broker's gate, so the spec is back after a reboot clears
+    C{/var/run/cdi}.  Every refusal is a L{PathRuleError} naming the path,
+    which the broker turns into its startup refusal.
+    """
+
+    directory: str
+    lock_parent: str = defaults.LOCK_PARENT
+    broker_directory: str = defaults.BROKER_DIRECTORY
+
+    def __call__(self, broker_enabled: bool) -> None:
+        try:
+            published = publish_spec(
+                self.directory,
+                broker_enabled=broker_enabled,
+                lock_parent=self.lock_parent,
+                broker_directory=self.broker_directory,
+            )
+        except cdi.CdiSpecError as e:
+            raise PathRuleError(self.directory, str(e)) from e
+        for line in published.prepared.describe_repairs():
+            _log.warn("hostpid-broker: {repair}", repair=line)
+        assert published.written is not None
+        _log.info(
+            "hostpid-broker: CDI spec written: {path} ({device}: {edits})",
+            path=published.written.path, device=cdi.qualified_name("broker"),
+            edits="broker mounts and gate" if broker_enabled else "lock parent only",
+        )
 
 
 def _cleaned(path: str) -> str:

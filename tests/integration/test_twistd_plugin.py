@@ -223,7 +223,7 @@ def test_refusal_while_building_the_service_alone_on_stderr(tmp_path: Path) -> N
     same path: one line on stderr, exit 1.
     """
     code = (
-        "import hostpid.broker.tap as tap\n"
+        "import hostpid.tap as tap\n"
         "from hostpid.errors import PathRuleError\n"
         "def refuse(**options):\n"
         "    raise PathRuleError('--example', 'refused while building the service')\n"

@@ -4,7 +4,7 @@ from twisted.application.service import ServiceMaker
 
 hostpidBroker = ServiceMaker(
     "hostpid-broker",
-    "hostpid.broker.tap",
+    "hostpid.tap",
     "Host PID broker: tells each caller its own host PID (SO_PEERCRED)",
     "hostpid-broker",
 )

@@ -5,6 +5,7 @@ C{twistd hostpid-broker}: options and service construction, nothing more.
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 from typing import Any
 
 from twisted.application.internet import StreamServerEndpointService
@@ -161,6 +162,20 @@ def makeService(options: Options | dict[str, Any]) -> IService:
         return _makeService(options)
 
 
+def _specPublisher(options: Options | dict[str, Any]) -> Callable[[bool], None] | None:
+    """C{--cdi-dir}: the node side's spec writer, run by the broker at every start."""
+    directory = options.get("cdi-dir")
+    if directory is None:
+        return None
+    from hostpid.node.cdiwrite import SpecPublisher
+
+    return SpecPublisher(
+        directory,
+        lock_parent=options.get("lock-parent", defaults.LOCK_PARENT),
+        broker_directory=options["directory"],
+    )
+
+
 def _makeService(options: Options | dict[str, Any]) -> IService:
     top = _ExitOnStartupError()
     broker = BrokerService(
@@ -168,7 +183,7 @@ def _makeService(options: Options | dict[str, Any]) -> IService:
         maxConnections=options["max-connections"],
         deadline=options["deadline"],
         allowNonHostPidNamespace=bool(options["allow-non-host-pid-namespace"]),
-        cdiDirectory=options.get("cdi-dir"),
+        prepareNode=_specPublisher(options),
         lockParent=options.get("lock-parent", defaults.LOCK_PARENT),
     )
     if options["metrics"]:
