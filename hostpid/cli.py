@@ -257,16 +257,7 @@ def _add_cdi_parser(commands: argparse._SubParsersAction[_Parser]) -> None:
         "--dir", default=cdi.DEFAULT_SPEC_DIRECTORY, metavar="DIR",
         help="CDI spec directory; '-' prints the spec instead (default: %(default)s)",
     )
-    parser.add_argument(
-        "--lock-parent", default=defaults.LOCK_PARENT, metavar="PATH",
-        help="host lock parent, prepared and mounted writable at /tmp/vgpulock "
-        "(default: %(default)s)",
-    )
-    parser.add_argument(
-        "--broker-dir", default=defaults.BROKER_DIRECTORY, metavar="PATH",
-        help="host broker directory, mounted read-only at /tmp/vgpulock/hostpid "
-        "(default: %(default)s)",
-    )
+    _host_path_options(parser)
     parser.add_argument(
         "--cdi-version", default=cdi.DEFAULT_VERSION, metavar="V",
         help=f"cdiVersion to write, {cdi.MINIMUM_VERSION} or newer (default: %(default)s)",
@@ -347,6 +338,20 @@ def _socket_option(parser: argparse.ArgumentParser, default: str, what: str) -> 
     )
 
 
+def _host_path_options(parser: argparse.ArgumentParser) -> None:
+    """C{--lock-parent} and C{--broker-dir}, as C{allocate} and C{cdi} share them."""
+    parser.add_argument(
+        "--lock-parent", default=defaults.LOCK_PARENT, metavar="PATH",
+        help="host directory prepared and mounted writable at /tmp/vgpulock "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--broker-dir", default=defaults.BROKER_DIRECTORY, metavar="PATH",
+        help="host broker directory mounted read-only at /tmp/vgpulock/hostpid "
+        "(default: %(default)s)",
+    )
+
+
 def _timeout_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--timeout", type=_seconds("--timeout"), default=defaults.DEADLINE, metavar="S",
@@ -423,16 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
         "follow LIBVGPU_HOSTPID_BROKER in this environment.  Exit 0 written; 1 unsafe\n"
         "lock parent or invalid JSON, with nothing on stdout.",
     )
-    allocate.add_argument(
-        "--lock-parent", default=defaults.LOCK_PARENT, metavar="PATH",
-        help="host directory prepared and mounted writable at /tmp/vgpulock "
-        "(default: %(default)s)",
-    )
-    allocate.add_argument(
-        "--broker-dir", default=defaults.BROKER_DIRECTORY, metavar="PATH",
-        help="host broker directory mounted read-only at /tmp/vgpulock/hostpid "
-        "(default: %(default)s)",
-    )
+    _host_path_options(allocate)
     allocate.add_argument(
         "--cdi", action="store_true",
         help="name the CDI device hami.io/hostpid in cdiDevices instead of adding mounts "
