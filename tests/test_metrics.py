@@ -40,16 +40,28 @@ def connect(server: MetricsSite) -> tuple[MetricsChannel, _Transport]:
     return channel, transport
 
 
-def test_connections_over_the_cap_are_refused_at_accept() -> None:
+def test_at_the_cap_a_newcomer_evicts_the_oldest() -> None:
+    """
+    Every slot held (idle, slow or keep-alive clients): a newcomer takes the
+    oldest one's slot, which is aborted unanswered, so a probe always gets
+    in.  (Before the review of issue 12 the newcomer was refused instead,
+    and 16 keep-alive clients kept every probe out.)
+    """
     server = site()
     held = [connect(server) for _ in range(defaults.METRICS_MAX_CONNECTIONS)]
     assert server.counts.open == defaults.METRICS_MAX_CONNECTIONS == 16
-    assert server.buildProtocol(PEER) is None, "the port closes it at once"
-    assert server.counts.overLimit == 1
-    channel, _ = held[0]
-    channel.connectionLost(None)  # type: ignore[arg-type]
-    assert server.counts.open == 15
-    assert server.buildProtocol(PEER) is not None, "a slot is free again"
+    probe, probeTransport = connect(server)
+    assert held[0][1].aborted and held[0][1].value() == b""
+    assert not any(transport.aborted for _, transport in held[1:])
+    assert server.counts.evicted == 1 and server.counts.overLimit == 0
+    held[0][0].dataReceived(b"GET /healthz HTTP/1.1\r\nHost: b\r\n\r\n")
+    assert held[0][1].value() == b"", "an evicted connection is never answered"
+    probe.dataReceived(b"GET /healthz HTTP/1.1\r\nHost: b\r\n\r\n")
+    assert probeTransport.value().startswith(b"HTTP/1.1 200 ")
+    connect(server)
+    assert held[1][1].aborted, "then the next oldest"
+    held[0][0].connectionLost(None)  # type: ignore[arg-type]  # the reactor, a turn later
+    assert server.counts.open == 16 + 2 - 1, "held, the probe and one more, less one closed"
 
 
 def test_request_deadline_is_not_extended_by_trickling_data() -> None:
@@ -66,13 +78,21 @@ def test_request_deadline_is_not_extended_by_trickling_data() -> None:
     assert transport.value() == b""
 
 
-def test_idle_keepalive_connection_is_closed_after_the_deadline() -> None:
+def test_every_response_closes_the_connection() -> None:
+    """No keep-alive: a client cannot hold its slot by polling on one connection."""
+    server = site()
+    channel, transport = connect(server)
+    channel.dataReceived(b"GET /healthz HTTP/1.1\r\nHost: b\r\n\r\n")
+    response = transport.value()
+    assert response.startswith(b"HTTP/1.1 200 ")
+    assert b"\r\nConnection: close\r\n" in response
+    assert transport.disconnecting, "closed after one response"
+
+
+def test_idle_connection_is_closed_after_the_deadline() -> None:
     clock = MemoryReactorClock()
     server = site(clock)
     channel, transport = connect(server)
-    channel.dataReceived(b"GET /healthz HTTP/1.1\r\nHost: b\r\n\r\n")
-    assert transport.value().startswith(b"HTTP/1.1 200 ")
-    assert not transport.disconnecting, "keep-alive"
     clock.advance(defaults.METRICS_REQUEST_TIMEOUT - 0.01)
     assert not transport.aborted
     clock.advance(0.02)

@@ -22,6 +22,7 @@ log a traceback.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
@@ -225,6 +226,7 @@ class MetricsServerCounts:
 
     open: int = 0
     overLimit: int = 0
+    evicted: int = 0
     timedOut: int = 0
     method: int = 0
     body: int = 0
@@ -233,6 +235,7 @@ class MetricsServerCounts:
     def refusals(self) -> dict[str, int]:
         return {
             "over_limit": self.overLimit,
+            "evicted": self.evicted,
             "timed_out": self.timedOut,
             "method": self.method,
             "body": self.body,
@@ -254,6 +257,12 @@ def _rateLimited(count: int) -> bool:
 class MetricsChannel(http.HTTPChannel):
     """
     One metrics connection: Twisted's HTTP/1.1 parser with the broker's limits.
+
+      - One request per connection: every response says C{Connection:
+        close} and the connection ends with it, so no client can hold a slot
+        with keep-alive requests (16 keep-alive clients polling every 5 s
+        held the server for as long as they liked, and a liveness probe
+        failing three times restarts the broker).
 
       - The request deadline: C{TimeoutMixin}'s timer is armed at connect and
         again after each response (Twisted does both), but received data does
@@ -282,7 +291,19 @@ class MetricsChannel(http.HTTPChannel):
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         self.site.counts.open -= 1
+        self.site.forget(self)
         super().connectionLost(reason)
+
+    def evict(self) -> None:
+        """Close at once, unanswered: a newer connection needs the slot."""
+        self._refused = True
+        if self.transport is not None:
+            self.transport.abortConnection()  # type: ignore[attr-defined]
+
+    def checkPersistence(self, request: http.Request, version: bytes) -> bool:
+        """Never persistent: C{Connection: close} on every response (see the class docstring)."""
+        request.responseHeaders.setRawHeaders(b"Connection", [b"close"])
+        return False
 
     def resetTimeout(self) -> None:
         """Data does not extend the request deadline (see the class docstring)."""
@@ -358,11 +379,14 @@ class MetricsSite(Site):
     """
     The metrics server's factory: at most C{maxConnections} connections.
 
-    One more is refused at accept: L{buildProtocol} returns C{None} and the
-    listening port closes the new socket at once, so its descriptor is never
-    held.  (Clients still in the kernel's accept queue hold no descriptor of
-    the broker's.)  No access log: probes every few seconds would drown the
-    broker's log.
+    At the cap a newcomer takes the slot of the oldest connection, which is
+    aborted unanswered (the broker's own rule for its transactions): an
+    attacker holding every slot with idle or slow connections cannot keep a
+    probe out, only a client reconnecting C{maxConnections} times per probe
+    round trip can.  The evicted descriptor closes on the next reactor turn,
+    so at most one accept batch more than the cap is ever open.  Clients
+    still in the kernel's accept queue hold no descriptor of the broker's.
+    No access log: probes every few seconds would drown the broker's log.
     """
 
     protocol = MetricsChannel  # type: ignore[assignment]
@@ -382,19 +406,32 @@ class MetricsSite(Site):
         super().__init__(resource, timeout=timeout, reactor=reactor)
         self.counts = counts if counts is not None else MetricsServerCounts()
         self.maxConnections = maxConnections
+        #: Connections holding a slot, oldest first.
+        self._slots: OrderedDict[MetricsChannel, None] = OrderedDict()
 
     def buildProtocol(self, addr: IAddress) -> MetricsChannel | None:  # type: ignore[override]
         counts = self.counts
-        if counts.open >= self.maxConnections:
-            counts.overLimit += 1
-            if _rateLimited(counts.overLimit):
+        if len(self._slots) >= self.maxConnections:
+            if not self._slots:
+                counts.overLimit += 1
+                return None
+            oldest, _ = self._slots.popitem(last=False)
+            oldest.evict()
+            counts.evicted += 1
+            if _rateLimited(counts.evicted):
                 self.logger.warn(
                     "hostpid-broker: metrics server at its limit of {limit} connections; "
-                    "closed a new one at accept (so far: {count})",
-                    limit=self.maxConnections, count=counts.overLimit,
+                    "closed the oldest for a new one (so far: {count})",
+                    limit=self.maxConnections, count=counts.evicted,
                 )
-            return None
-        return super().buildProtocol(addr)
+        channel = super().buildProtocol(addr)
+        if channel is not None:
+            self._slots[channel] = None
+        return channel
+
+    def forget(self, channel: MetricsChannel) -> None:
+        """C{channel} is closed: its slot is free."""
+        self._slots.pop(channel, None)
 
     def log(self, request: http.Request) -> None:
         pass
