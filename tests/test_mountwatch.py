@@ -43,6 +43,27 @@ def test_missing_and_replaced_are_logged_once(public_tmp: Path) -> None:
     assert watch.events == 3
 
 
+def test_a_replacement_that_stays_is_logged_and_counted_once(public_tmp: Path) -> None:
+    """
+    A planted symlink left in place: one event, not one per look (the review
+    after issue 13 saw 1, 2, 3, 4 over four looks: a line a second).
+    """
+    require_root()
+    lock_parent = public_tmp / "vgpulock"
+    watch = MountpointWatch(str(lock_parent))
+    prepare_lock_parent(str(lock_parent), broker_enabled=True)
+    assert watch.check() is None
+    os.rmdir(lock_parent / "hostpid")
+    (lock_parent / "hostpid").symlink_to("/etc")
+    assert watch.check() is not None
+    assert [watch.check() for _ in range(5)] == [None] * 5
+    assert watch.events == 1
+    os.unlink(lock_parent / "hostpid")
+    os.mkdir(lock_parent / "hostpid")  # root-owned again, but not the one first seen
+    assert watch.check() is not None, "a different problem is a new event"
+    assert watch.events == 2
+
+
 @pytest_twisted.ensureDeferred
 async def test_broker_logs_a_removed_mountpoint(public_tmp: Path, clean_reactor: None) -> None:
     require_root()

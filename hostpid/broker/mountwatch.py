@@ -41,14 +41,21 @@ class MountpointWatch:
         self.identity: tuple[int, int, int] | None = None
         self.state = "unseen"
         self.events = 0
+        #: What the last problem looked like, so that one that stays in place
+        #: is logged and counted once, not at every look.
+        self._lastProblem: tuple[str, tuple[int, int, int] | None] | None = None
+        self._seen: tuple[int, int, int] | None = None
 
     def _observe(self) -> tuple[str, str]:
         try:
             st = os.lstat(self.path)
         except FileNotFoundError:
+            self._seen = None
             return "missing", "it does not exist"
         except OSError as e:
+            self._seen = None
             return "missing", f"it cannot be looked at ({e.strerror})"
+        self._seen = (st.st_dev, st.st_ino, st.st_ctime_ns)
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != self.trusted_uid:
             kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a directory"
             return "replaced", f"it is {kind} owned by UID {st.st_uid}"
@@ -71,6 +78,7 @@ class MountpointWatch:
         state, observed = self._observe()
         previous, self.state = self.state, state
         if state == "ok":
+            self._lastProblem = None
             if previous in ("missing", "replaced"):
                 log.info("hostpid-broker: broker mountpoint {path} is back: {observed}",
                          path=self.path, observed=observed)
@@ -78,8 +86,10 @@ class MountpointWatch:
         if previous == "unseen" and state == "missing":
             self.state = "unseen"  # not made yet: the first allocation makes it
             return None
-        if state == previous and state == "missing":
-            return None
+        problem = (state, self._seen)
+        if state == previous and problem == self._lastProblem:
+            return None  # the same problem, still there: logged and counted already
+        self._lastProblem = problem
         self.events += 1
         message = (
             f"broker mountpoint {self.path} {state}: {observed}; containers that had the "
