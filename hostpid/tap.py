@@ -5,6 +5,7 @@ C{twistd hostpid-broker}: options and service construction, nothing more.
 from __future__ import annotations
 
 import gc
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -20,18 +21,34 @@ from hostpid.broker.refusal import RefuseInOneLine, refuse_in_one_line
 from hostpid.broker.sdnotify import ReadinessNotifier
 from hostpid.broker.service import BrokerService
 
+#: Bounds of the numeric options: beyond them a value is a typo, and far
+#: beyond them it overflows the kernel's types.
+MAX_CONNECTIONS_LIMIT = 1 << 20
+MAX_DEADLINE = 3600.0
 
-def _positive_int(value: str) -> int:
-    number = int(value)
-    if number < 1:
-        raise ValueError(f"must be a positive integer, got {value!r}")
+
+def _connections(option: str, value: object) -> int:
+    try:
+        number = int(str(value))
+    except ValueError:
+        number = 0
+    if not 1 <= number <= MAX_CONNECTIONS_LIMIT:
+        raise BrokerStartupError(
+            option, f"must be a whole number from 1 to {MAX_CONNECTIONS_LIMIT}, got {value!r}"
+        )
     return number
 
 
-def _positive_float(value: str) -> float:
-    number = float(value)
-    if not number > 0 or number == float("inf"):
-        raise ValueError(f"must be a positive number of seconds, got {value!r}")
+def _seconds(option: str, value: object) -> float:
+    try:
+        number = float(str(value))
+    except ValueError:
+        number = math.nan
+    if not (math.isfinite(number) and 0 < number <= MAX_DEADLINE):
+        raise BrokerStartupError(
+            option,
+            f"must be a positive number of seconds, at most {MAX_DEADLINE:g}, got {value!r}",
+        )
     return number
 
 
@@ -111,10 +128,10 @@ class Options(usage.Options):
         ["max-connections", None, defaults.MAX_CONNECTIONS,
          "Active transactions at most; when every slot is held, a newcomer takes the "
          "slot of the oldest connection still waiting for its request.",
-         _positive_int],
+         ],
         ["deadline", None, defaults.DEADLINE,
          "One deadline per transaction, from accept to reply, in seconds.",
-         _positive_float],
+         ],
         ["metrics", None, None,
          "Twisted endpoint string for the HTTP metrics and health server "
          "(/metrics, /healthz, /readyz), e.g. tcp:9394:interface=127.0.0.1.  Off by default.  "
@@ -129,9 +146,14 @@ class Options(usage.Options):
     ]
 
     def postOptions(self) -> None:
-        """A bad C{--metrics} is refused now, in one line, before anything is created."""
-        if self["metrics"]:
-            with refuse_in_one_line():
+        """
+        A bad value is refused now, before anything is created: one line on
+        standard error naming the option (not twistd's usage text on stdout).
+        """
+        with refuse_in_one_line():
+            self["max-connections"] = _connections("--max-connections", self["max-connections"])
+            self["deadline"] = _seconds("--deadline", self["deadline"])
+            if self["metrics"]:
                 self.metricsEndpoint = parse_metrics_endpoint(self["metrics"])
 
 

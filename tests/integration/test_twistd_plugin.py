@@ -55,10 +55,12 @@ def test_gate_1_serves(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--max-connections", "0"], "must be a positive integer"),
-        (["--max-connections", "many"], "invalid literal"),
-        (["--deadline", "-1"], "must be a positive number of seconds"),
-        (["--deadline", "nan"], "must be a positive number of seconds"),
+        (["--max-connections", "0"], "--max-connections: must be a whole number from 1"),
+        (["--max-connections", "many"], "--max-connections: must be a whole number from 1"),
+        (["--max-connections", "-3"], "--max-connections: must be a whole number from 1"),
+        (["--deadline", "-1"], "--deadline: must be a positive number of seconds"),
+        (["--deadline", "nan"], "--deadline: must be a positive number of seconds"),
+        (["--deadline", "1e12"], "--deadline: must be a positive number of seconds"),
         (["--no-such-option"], "no-such-option"),
     ],
 )
@@ -73,6 +75,11 @@ def test_bad_option_exits_non_zero_with_a_message(
     assert result.returncode != 0
     assert message in result.stdout + result.stderr
     assert not (tmp_path / "broker").exists()
+    if args[0] != "--no-such-option":  # twistd's own usage error for an unknown option
+        assert result.stderr == f"hostpid-broker: cannot start: {args[0]}: " + (
+            result.stderr.split(": ", 3)[3]
+        ), "one line on stderr, naming the option"
+        assert result.stderr.count("\n") == 1
 
 
 def run_twistd(
