@@ -32,7 +32,7 @@ REQUIRE_PRIVILEGED = os.environ.get("HOSTPID_REQUIRE_PRIVILEGED") == "1"
 WAIT_SECONDS = 15.0
 
 
-def _skip_or_fail(reason: str) -> None:
+def skip_or_fail(reason: str) -> None:
     """
     Skip with C{reason}, except under C{HOSTPID_REQUIRE_PRIVILEGED=1}, where
     a test that cannot run is a failure: CI must not go green by skipping.
@@ -44,13 +44,13 @@ def _skip_or_fail(reason: str) -> None:
 
 def require_root() -> None:
     if os.geteuid() != 0:
-        _skip_or_fail("this test needs root (real namespaces, setuid children, root-owned paths)")
+        skip_or_fail("this test needs root (real namespaces, setuid children, root-owned paths)")
 
 
 def require_tool(name: str) -> str:
     path = shutil.which(name)
     if path is None:
-        _skip_or_fail(f"this test needs {name!r} on PATH")
+        skip_or_fail(f"this test needs {name!r} on PATH")
         raise AssertionError("unreachable")
     return path
 

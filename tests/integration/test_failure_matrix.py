@@ -30,6 +30,7 @@ from support import (
     wait_for,
 )
 
+from hostpid import wire
 from hostpid.client.blocking import HostPidUnavailable, TrustPolicy, query_host_pid
 
 GATE_ON = {"LIBVGPU_HOSTPID_BROKER": "1"}
@@ -228,8 +229,12 @@ def test_silent_flood_is_bounded_and_recovers(directory: Path) -> None:
             assert held <= 16, f"{held} descriptors held for a limit of 16"
             assert count_shed() == 400 - 16, "the 16 in the slots stay open"
             assert shed == set(range(400 - 16)), "the oldest are the ones evicted"
-            # Connect, then send: accepted before its request, it takes a slot.
-            assert ask_pid(broker.socket_path) == os.getpid(), "a slow sender is answered"
+            # Connect, wait until the broker has accepted (it evicts the
+            # oldest for this newcomer), then send: a slow sender needs a slot.
+            with connect(broker.socket_path) as slow:
+                wait_for(lambda: count_shed() == 400 - 16 + 1, "the oldest held one evicted")
+                slow.sendall(wire.GET_HOST_PID_REQUEST)
+                assert read_until_eof(slow) == wire.encode_ok(os.getpid()), "answered"
         finally:
             for sock in flood:
                 sock.close()

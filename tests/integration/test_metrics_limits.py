@@ -26,6 +26,7 @@ from support import (
     BrokerProcess,
     ask_pid,
     open_fd_count,
+    skip_or_fail,
     subprocess_env,
     twistd_argv,
     wait_for,
@@ -193,7 +194,7 @@ def own_descriptors() -> None:
     """This test process opens 1,100 sockets: raise its own soft limit."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < FLOOD + 256:
-        pytest.skip(f"the hard RLIMIT_NOFILE ({hard}) is below {FLOOD + 256}")
+        skip_or_fail(f"the hard RLIMIT_NOFILE ({hard}) is below {FLOOD + 256}")
     wanted = FLOOD + 256 if hard == resource.RLIM_INFINITY else max(soft, min(hard, 8192))
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, wanted), hard))
 
