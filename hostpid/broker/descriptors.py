@@ -28,6 +28,18 @@ Two modes, chosen once when the listener is created (L{DescriptorMode}):
     {1, 0}} (its close resets the connection at once) and is closed here;
     anything else goes to L{BackgroundCloser}, whose threads may block as
     long as the kernel likes.
+
+Room in the descriptor table (both I{received}-mode reads): a C{recvmsg}
+whose message carries more descriptors than the table can take installs what
+fits, sets C{MSG_CTRUNC} and I{releases the rest in the receiving thread},
+lingering sockets included.  So no read with an ancillary buffer is made
+unless L{PassedDescriptors.hasRoom}: the soft C{RLIMIT_NOFILE} (read once),
+minus the broker's own descriptors (counted once at start, plus the metrics
+server's), the connections open and the descriptors the closer still holds,
+leaves room for C{SCM_MAX_FD} plus L{ROOM_MARGIN}, I{and} the closer's queue
+has room for C{SCM_MAX_FD} more.  Without room a reader stops reading until
+the closer has freed enough (L{PassedDescriptors.waitForRoom}), and a
+connection being closed is handed to the closer whole, undrained.
 """
 
 from __future__ import annotations
@@ -39,9 +51,14 @@ import os
 import queue
 import socket
 import struct
+import resource
 import threading
+from collections.abc import Callable
+from typing import Any
 
 from twisted.logger import Logger
+
+from hostpid import defaults
 
 #: C{SO_PASSRIGHTS} from C{asm-generic/socket.h} (Linux 6.16); Python 3.11 has no constant.
 SO_PASSRIGHTS = 83
@@ -67,6 +84,15 @@ _DRAIN_SIZE = 65536
 #: Threads of the background closer, and descriptors it may hold waiting.
 CLOSER_THREADS = 2
 CLOSER_QUEUE = 256
+
+#: Descriptors kept free beyond one full message before any read with an
+#: ancillary buffer: the connection in hand, a transient pidfd, a log file
+#: reopened, a metrics connection accepted meanwhile.
+ROOM_MARGIN = 16
+
+#: When the table lacks room even with the closer empty (the connections
+#: alone fill it), how often a paused reader looks again.
+ROOM_RECHECK = 0.05
 
 
 class DescriptorMode(enum.Enum):
@@ -101,12 +127,15 @@ class BackgroundCloser:
     lingering socket inside a passed Unix socket's queue, a FUSE file, a
     terminal draining its output) blocks one of them, never the reactor.
 
-    Bounded: at most C{limit} descriptors wait.  L{saturated} tells the
-    listening port to stop accepting until the threads catch up; descriptors
-    that arrive meanwhile on connections already open are still queued (the
-    queue never refuses one: refusing would mean closing it here, which is
-    what this class exists to avoid).  The threads start on first use and
-    are never joined: a close that blocks cannot be waited for.
+    Bounded by admission, not by refusal (refusing a descriptor already
+    received would mean closing it here, which is what this class exists to
+    avoid): L{PassedDescriptors} reads no message unless L{room} can take a
+    full one, so at most C{limit} I{received} descriptors wait.  Connections
+    handed over whole (one descriptor each, already counted among the
+    connections) may come on top.  L{saturated} also tells the listening port
+    to stop accepting.  L{whenPendingAtMost} lets a paused reader be woken
+    from a closer thread.  The threads start on first use and are never
+    joined: a close that blocks cannot be waited for.
     """
 
     log = Logger()
@@ -120,10 +149,31 @@ class BackgroundCloser:
         #: Descriptors submitted and not yet closed (waiting or being closed).
         self.pending = 0
         self.closed = 0
+        self._waiter: tuple[int, Callable[[], None]] | None = None
 
     @property
     def saturated(self) -> bool:
         return self.pending >= self.limit
+
+    @property
+    def room(self) -> int:
+        """Descriptors the queue can still take within its bound."""
+        return self.limit - self.pending
+
+    def whenPendingAtMost(self, threshold: int, callback: Callable[[], None]) -> bool:
+        """
+        Call C{callback} I{from a closer thread} once at most C{threshold}
+        descriptors are pending (it must be thread-safe, e.g. wrap
+        C{reactor.callFromThread}).  One waiter at a time: a new call
+        replaces the previous one.
+
+        @return: C{False}, and no call, if that is already the case.
+        """
+        with self._lock:
+            if self.pending <= threshold:
+                return False
+            self._waiter = (threshold, callback)
+            return True
 
     def submit(self, fd: int) -> None:
         with self._lock:
@@ -143,9 +193,16 @@ class BackgroundCloser:
                 os.close(fd)
             except OSError:
                 pass
+            fire = None
             with self._lock:
                 self.pending -= 1
                 self.closed += 1
+                waiter = self._waiter
+                if waiter is not None and self.pending <= waiter[0]:
+                    self._waiter = None
+                    fire = waiter[1]
+            if fire is not None:
+                fire()
 
 
 class PassedDescriptors:
@@ -154,11 +211,84 @@ class PassedDescriptors:
     pass descriptors, with no step that can block the reactor thread.
 
     @ivar received: descriptors received so far (all disposed of).
+    @ivar paused: times a read was put off for lack of room.
     """
 
-    def __init__(self, closer: BackgroundCloser | None = None) -> None:
+    def __init__(
+        self,
+        closer: BackgroundCloser | None = None,
+        connections: Callable[[], int] = lambda: 0,
+        reactor: Any = None,
+        descriptorLimit: int | None = None,
+        reserved: int | None = None,
+    ) -> None:
+        """
+        @param connections: how many connections the broker holds now (the
+            factory's active transactions), asked before each read.
+        @param descriptorLimit: the table's size; by default the soft
+            C{RLIMIT_NOFILE} now.
+        @param reserved: descriptors the broker holds for itself; by default
+            those open now plus every metrics connection and L{ROOM_MARGIN}.
+        """
         self.closer = closer if closer is not None else BackgroundCloser()
         self.received = 0
+        self.paused = 0
+        self._connections = connections
+        self._reactor = reactor
+        self.descriptorLimit = (
+            _soft_descriptor_limit() if descriptorLimit is None else descriptorLimit
+        )
+        self.reserved = _descriptors_open_now() + defaults.METRICS_MAX_CONNECTIONS \
+            if reserved is None else reserved
+        self._waiters: list[Callable[[], None]] = []
+
+    def hasRoom(self) -> bool:
+        """
+        Whether a read may carry a full C{SCM_RIGHTS} message: the table has
+        room for it (and L{ROOM_MARGIN}), and so has the closer's queue.
+        Counters only: no system call.
+        """
+        pending = self.closer.pending
+        return (
+            self.closer.limit - pending >= SCM_MAX_FD
+            and self.descriptorLimit - self.reserved - self._connections() - pending
+            >= SCM_MAX_FD + ROOM_MARGIN
+        )
+
+    def waitForRoom(self, resume: Callable[[], None]) -> None:
+        """
+        Call C{resume} (in the reactor thread) once the closer has freed
+        enough for L{hasRoom} to hold with today's connections; the caller
+        has stopped reading meanwhile.  C{resume} should check L{hasRoom}
+        again: room may have been taken first by another reader.
+        """
+        self.paused += 1
+        self._waiters.append(resume)
+        if len(self._waiters) > 1:
+            return  # already registered with the closer
+        threshold = min(
+            self.closer.limit - SCM_MAX_FD,
+            self.descriptorLimit - self.reserved - self._connections()
+            - SCM_MAX_FD - ROOM_MARGIN,
+        )
+        reactor = self._getReactor()
+        if threshold < 0 or not self.closer.whenPendingAtMost(
+            threshold, lambda: reactor.callFromThread(self._resumeAll)
+        ):
+            # The closer is not what lacks: connections fill the table.
+            reactor.callLater(ROOM_RECHECK, self._resumeAll)
+
+    def _resumeAll(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for resume in waiters:
+            resume()
+
+    def _getReactor(self) -> Any:
+        if self._reactor is None:
+            from twisted.internet import reactor
+
+            self._reactor = reactor
+        return self._reactor
 
     @staticmethod
     def prepare(sock: _socket.socket) -> None:
@@ -177,6 +307,8 @@ class PassedDescriptors:
             ancillary data was truncated, which cannot happen with this
             buffer but would mean the same).  Descriptors are disposed of.
         @raise OSError: as C{recvmsg} (C{BlockingIOError}: nothing waiting).
+
+        Only when L{hasRoom}: the caller checks.
         """
         data, ancillary, flags, _ = sock.recvmsg(size, ANCILLARY_SPACE, _RECV_FLAGS)
         if ancillary:
@@ -188,7 +320,8 @@ class PassedDescriptors:
         """
         Close C{sock}, a connection, without dropping a passed descriptor's
         last reference in this thread: stop the peer sending, read what is
-        already queued (boundedly), and close; a queue still not empty is
+        already queued (boundedly, and only while L{hasRoom}), and close; a
+        queue still not empty, or the table without room to drain it, is
         closed by the background closer.
 
         @return: whether descriptors were found while draining.
@@ -201,6 +334,8 @@ class PassedDescriptors:
             self.closer.submit(sock.detach())
             return found
         for _ in range(DRAIN_READS):
+            if not self.hasRoom():
+                break
             try:
                 data, ancillary, _flags, _ = sock.recvmsg(
                     _DRAIN_SIZE, ANCILLARY_SPACE, _RECV_FLAGS
@@ -230,6 +365,25 @@ class PassedDescriptors:
                 self.received += 1
                 if not _close_if_harmless(fd):
                     self.closer.submit(fd)
+
+
+def _soft_descriptor_limit() -> int:
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        try:
+            with open("/proc/sys/fs/nr_open") as f:
+                return int(f.read())
+        except (OSError, ValueError):
+            return 1 << 20
+    return soft
+
+
+def _descriptors_open_now() -> int:
+    """Counted once, at start; a generous guess where /proc is missing."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 48
 
 
 def _close_if_harmless(fd: int) -> bool:

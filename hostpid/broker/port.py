@@ -97,8 +97,16 @@ class ReceivingServer(unix.Server):
         return passed
 
     def doRead(self) -> Any:
+        passed = self._passed()
+        if not passed.hasRoom():
+            # A read now could overflow the descriptor table, and the kernel
+            # would release what does not fit here.  Read again once the
+            # closer has freed room.
+            self.stopReading()
+            passed.waitForRoom(self._resumeReading)
+            return None
         try:
-            data, carried = self._passed().receive(self.socket, self.bufferSize)
+            data, carried = passed.receive(self.socket, self.bufferSize)
         except BlockingIOError:
             return None
         except OSError:
@@ -107,6 +115,10 @@ class ReceivingServer(unix.Server):
             self.protocol.descriptorsReceived()  # type: ignore[attr-defined]
             return None
         return self._dataReceived(data)
+
+    def _resumeReading(self) -> None:
+        if self.connected and not self.disconnecting:
+            self.startReading()
 
     def _closeSocket(self, orderly: bool) -> None:
         if self._passed().release(self.socket):
@@ -197,7 +209,10 @@ class BrokerPort(unix.Port):
             self.descriptorMode = DescriptorMode.REFUSED
         else:
             self.descriptorMode = DescriptorMode.RECEIVED
-            self.factory.receiveDescriptors(PassedDescriptors())
+            factory = self.factory
+            self.factory.receiveDescriptors(
+                PassedDescriptors(connections=lambda: factory.active, reactor=self.reactor)
+            )
             self.transport = ReceivingServer
         skt.listen(self.backlog)
         self.factory.doStart()
@@ -260,7 +275,11 @@ class BrokerPort(unix.Port):
                 continue
             protocol = factory.buildProtocol(_PEER_ADDRESS)
             if protocol is None:
-                skt.close()
+                if factory.passed is not None:
+                    # Over the limit, maybe part-read: its queue may hold descriptors.
+                    factory.passed.release(skt)
+                else:
+                    skt.close()
                 continue
             session = self.sessionno
             self.sessionno = session + 1

@@ -429,11 +429,18 @@ class BrokerFactory(Factory):
         for them, answer no message that carried any (outcome
         L{Outcome.DESCRIPTORS}), and close through L{PassedDescriptors} so
         that no descriptor's last reference is dropped in this thread.
+        Without room in the descriptor table for a full message
+        (L{PassedDescriptors.hasRoom}) nothing is read here: the connection
+        goes to the general path, whose reads wait for room.
         """
         passed = self.passed
         assert passed is not None
         try:
             passed.prepare(sock)
+            if not passed.hasRoom():
+                # No read may carry descriptors now: the general path waits
+                # for room (within the deadline) instead.
+                return b""
             data, carried = passed.receive(sock, _FAST_READ)
         except BlockingIOError:
             return b""

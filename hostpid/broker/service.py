@@ -34,6 +34,7 @@ from hostpid import defaults
 from hostpid.broker import disabled, fsrules
 from hostpid.broker.descriptors import (
     CLOSER_QUEUE,
+    ROOM_MARGIN,
     SCM_MAX_FD,
     DescriptorMode,
     refuse_descriptor_passing,
@@ -101,10 +102,12 @@ BASE_DESCRIPTORS = 48
 #: a transaction needs.
 DESCRIPTOR_HEADROOM = BASE_DESCRIPTORS + defaults.METRICS_MAX_CONNECTIONS
 #: And, where clients can pass descriptors (no SO_PASSRIGHTS), room for one
-#: full SCM_RIGHTS message and for those waiting in the background closer:
-#: a receive that finds the table full makes the kernel release the rest in
-#: the receiving thread, which is what must never happen.
-PASSED_DESCRIPTOR_HEADROOM = SCM_MAX_FD + CLOSER_QUEUE
+#: full SCM_RIGHTS message (and its margin) and for those waiting in the
+#: background closer.  This sizes the limit so reads rarely wait; what makes
+#: a full table harmless is that no read is made without room for a full
+#: message (L{PassedDescriptors.hasRoom}): a receive that found the table
+#: full would make the kernel release the rest in the receiving thread.
+PASSED_DESCRIPTOR_HEADROOM = SCM_MAX_FD + ROOM_MARGIN + CLOSER_QUEUE
 
 
 def ensure_descriptors(maxConnections: int, extra: int = 0) -> tuple[int, int]:

@@ -1,0 +1,131 @@
+"""
+A full descriptor table in the I{received} mode (kernels without
+C{SO_PASSRIGHTS}; forced here with the broker's test switch).
+
+The attack (security review, HIGH): a UID 1000 workload opens many silent
+connections, then sends on each one message carrying C{SCM_MAX_FD} (253)
+descriptors: 252 copies of a pipe end and one loopback TCP socket with
+C{SO_LINGER {1, 30}} and a full send queue toward a listener that never
+reads.  Before the fix the broker read every message with room in its
+buffer but not in its descriptor table: once the table was full the kernel
+installed what fit, set C{MSG_CTRUNC} and released the rest in the broker's
+only thread, the lingering socket included, so C{tcp_close} waited 30 s
+there and no client was answered.  Now no read with an ancillary buffer is
+made without room for a full message; a reader without room waits for the
+background closer.  The broker runs with a modest C{RLIMIT_NOFILE} (1024)
+so the attack needs few connections.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from support import as_user_argv, ask_pid, require_root, running_broker, wait_for
+
+from hostpid.broker.service import RECEIVE_DESCRIPTORS_ENV
+
+pytestmark = pytest.mark.privileged
+
+#: The broker's soft and hard RLIMIT_NOFILE: 40 messages of 253 are ten times it.
+BROKER_NOFILE = 1024
+CONNECTIONS = 40
+LINGER = 30
+#: A real client's bound: far below the linger time, generous for a shared machine.
+CLIENT_BOUND = 5.0
+ASKS = 30
+
+#: argv: socket path, connections, linger seconds.  Prints one JSON list of
+#: what each sendmsg gave, then waits for stdin to close (its listeners keep
+#: the passed sockets lingering).
+ATTACKER = r"""
+import errno, json, os, resource, socket, struct, sys, time
+path, count, linger = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # descriptors in flight count
+keep = []
+def lingering():
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    sock.connect(listener.getsockname())
+    sock.setblocking(False)
+    full = 0
+    while full < 3:  # until the peer's window and our queue stay full
+        try:
+            sock.send(b"x" * 65536)
+            full = 0
+        except BlockingIOError:
+            full += 1
+            time.sleep(0.01)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, linger))
+    keep.append(listener)
+    return sock
+read_end, write_end = os.pipe()
+socks = [lingering() for _ in range(count)]
+conns = []
+for _ in range(count):
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(path)
+    conns.append(conn)
+time.sleep(0.3)  # accepted by now, silent: on the general path
+results = []
+for conn, sock in zip(conns, socks):
+    fds = [read_end] * 252 + [sock.fileno()]
+    try:
+        conn.sendmsg([b"\0"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                struct.pack(f"{len(fds)}i", *fds))])
+        results.append("sent")
+    except OSError as e:
+        results.append(errno.errorcode[e.errno])
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+print(json.dumps(results), flush=True)
+sys.stdin.read()
+"""
+
+
+def _modest_descriptor_limit() -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (BROKER_NOFILE, BROKER_NOFILE))
+
+
+def test_a_full_descriptor_table_does_not_freeze_the_broker(public_tmp: Path) -> None:
+    require_root()
+    with running_broker(
+        public_tmp / "broker",
+        env={RECEIVE_DESCRIPTORS_ENV: "1"},
+        preexec_fn=_modest_descriptor_limit,
+    ) as broker:
+        attacker = subprocess.Popen(
+            as_user_argv(1000, [sys.executable, "-c", ATTACKER, str(broker.socket_path),
+                                str(CONNECTIONS), str(LINGER)]),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        try:
+            assert attacker.stdout is not None
+            results = json.loads(attacker.stdout.readline())
+            assert results == ["sent"] * CONNECTIONS, results
+            waits = []
+            for _ in range(ASKS):
+                started = time.monotonic()
+                pid = ask_pid(broker.socket_path, timeout=CLIENT_BOUND)
+                waits.append(round(time.monotonic() - started, 3))
+                assert pid == os.getpid(), f"a real client was not answered: {waits}"
+            # Every message was received (so the attack did run against a
+            # table ten times too small for it) and the broker still answers.
+            wait_for(lambda: "descriptors transactions so far: 32" in broker.output(),
+                     "the attack's connections counted as outcome descriptors")
+            assert ask_pid(broker.socket_path, timeout=CLIENT_BOUND) == os.getpid()
+        finally:
+            attacker.kill()
+            attacker.wait()
+        assert max(waits) < CLIENT_BOUND, waits
