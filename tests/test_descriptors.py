@@ -16,6 +16,8 @@ from support import wait_for
 
 from hostpid import wire
 from hostpid.broker.descriptors import (
+    ROOM_MARGIN,
+    SCM_MAX_FD,
     SO_PASSRIGHTS,
     BackgroundCloser,
     PassedDescriptors,
@@ -137,3 +139,59 @@ def test_release_after_the_peer_reset_still_closes_in_place(pair) -> None:
     client.close()  # our reply unread: the server's side sees ECONNRESET once
     assert receiver.release(server) is False
     assert receiver.closer.pending == 0 and receiver.closer.closed == 0
+
+
+def test_room_counts_the_table_the_connections_and_the_closer() -> None:
+    """A full message must fit both the descriptor table and the closer's queue."""
+    connections = [0]
+    closer = BackgroundCloser(threads=1, limit=SCM_MAX_FD + 10)
+    receiver = PassedDescriptors(
+        closer, connections=lambda: connections[0],
+        descriptorLimit=1000, reserved=100,
+    )
+    assert receiver.hasRoom()
+    connections[0] = 1000 - 100 - SCM_MAX_FD - ROOM_MARGIN
+    assert receiver.hasRoom()
+    connections[0] += 1
+    assert not receiver.hasRoom(), "one connection more and a message could overflow"
+    connections[0] = 0
+    closer.pending = 11  # as if 11 descriptors were still closing
+    assert not receiver.hasRoom(), "the closer could not take a full message"
+    closer.pending = 0
+
+
+def test_release_without_room_hands_the_connection_over_undrained(pair) -> None:
+    """No drain read when the table lacks room: the queue goes to the closer whole."""
+    server, client = pair
+    passed = os.open("/dev/null", os.O_RDONLY)
+    client.sendmsg([b"!"], rights(*[passed] * SCM_MAX_FD))
+    os.close(passed)
+    closer = BackgroundCloser(threads=1)
+    receiver = PassedDescriptors(closer, descriptorLimit=SCM_MAX_FD + ROOM_MARGIN - 1, reserved=0)
+    before = fd_count()
+    assert not receiver.hasRoom()
+    assert receiver.release(server) is False, "nothing was read"
+    assert receiver.received == 0
+    wait_for(lambda: closer.closed == 1, "the closer to close the whole connection")
+    assert fd_count() == before - 1
+
+
+def test_the_closer_wakes_a_waiter_when_pending_falls(pair) -> None:
+    closer = BackgroundCloser(threads=1)
+    woken: list[int] = []
+    assert closer.whenPendingAtMost(0, lambda: woken.append(1)) is False, "already true"
+    gate_r, gate_w = os.pipe()
+    assert closer.whenPendingAtMost(-1, lambda: woken.append(2)) is True
+    closer.submit(gate_r)
+    closer.submit(gate_w)
+    wait_for(lambda: closer.closed == 2, "the closer to close both")
+    assert woken == [], "never at most -1"
+    r, w = os.pipe()
+    closer.submit(r)
+    closer.submit(w)
+    registered = closer.whenPendingAtMost(0, lambda: woken.append(3))
+    wait_for(lambda: closer.pending == 0, "the closer to drain")
+    if registered:
+        wait_for(lambda: woken == [3], "the closer thread to wake the waiter")
+    else:
+        assert woken == [], "pending was already 0: no call"

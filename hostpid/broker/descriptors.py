@@ -49,9 +49,9 @@ import enum
 import errno
 import os
 import queue
+import resource
 import socket
 import struct
-import resource
 import threading
 from collections.abc import Callable
 from typing import Any
