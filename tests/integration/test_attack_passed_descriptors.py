@@ -49,7 +49,7 @@ CLIENT_BOUND = 5.0
 #: Prints one JSON list of what each sendmsg gave, then waits for stdin to
 #: close (its listeners keep the passed sockets lingering).
 ATTACKER = r"""
-import array, errno, json, socket, struct, sys, time
+import array, errno, fcntl, json, socket, struct, sys, termios, time
 path, count, linger, how = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 REQUEST = b"HPID\x00\x01\x00\x01"
 keep = []
@@ -89,7 +89,17 @@ for _ in range(count):
         results.append(send(conn, REQUEST, sock))
     elif how == "split":
         conn.sendall(REQUEST[:4])
-        time.sleep(0.05)
+        # Wait (bounded) until the broker has read the first half, so the
+        # descriptor arrives on the general path, not with it at accept.
+        unread = array.array("i", [1])
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            fcntl.ioctl(conn.fileno(), termios.TIOCOUTQ, unread)
+            if unread[0] == 0:
+                break
+            time.sleep(0.001)
+        else:
+            raise SystemExit("the broker never read the first half")
         results.append(send(conn, REQUEST[4:], sock))
     else:
         results.append(send(conn, b"!", sock, socket.MSG_OOB))
