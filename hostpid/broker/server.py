@@ -433,15 +433,14 @@ class BrokerFactory(Factory):
         passed = self.passed
         assert passed is not None
         try:
-            passed.prepare(sock)
-            data, carried = passed.receive(sock, _FAST_READ)
+            data = passed.receiveFirst(sock, _FAST_READ)
         except BlockingIOError:
             return b""
         except OSError:
             passed.release(sock)
             self.record(Outcome.SHORT)
             return None
-        if carried:
+        if data is None:
             passed.release(sock)
             self.record(Outcome.DESCRIPTORS)
             return None
