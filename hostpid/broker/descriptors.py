@@ -22,8 +22,9 @@ Two modes, chosen once when the listener is created (L{DescriptorMode}):
     descriptor for lack of room; sets C{SO_OOBINLINE} on each connection, or
     an out-of-band byte carrying descriptors would be discarded by the next
     ordinary read; and closes each connection only after C{shutdown(SHUT_RD)}
-    (from then on the peer's C{sendmsg} fails with C{EPIPE}) and a bounded
-    drain of what was already queued.  Each received descriptor is then made
+    (from then on the peer's C{sendmsg} fails with C{EPIPE}) and a peek that
+    finds the queue empty, or else a bounded drain of what was queued.
+    Each received descriptor is then made
     safe to close or closed elsewhere: an Internet socket gets C{SO_LINGER
     {1, 0}} (its close resets the connection at once) and is closed here;
     anything else goes to L{BackgroundCloser}, whose threads may block as
