@@ -195,3 +195,47 @@ def test_the_closer_wakes_a_waiter_when_pending_falls(pair) -> None:
         wait_for(lambda: woken == [3], "the closer thread to wake the waiter")
     else:
         assert woken == [], "pending was already 0: no call"
+
+
+def test_a_peek_never_drops_a_queued_descriptor(pair) -> None:
+    """
+    L{PassedDescriptors.release} asks "is the queue empty?" with a peek
+    without room for ancillary data.  The kernel lends a peek references of
+    its own and takes those back: the queued message keeps its own, so the
+    passed descriptor stays open (here: a pipe's write end, the last one, so
+    the read end sees no end of file) until the drain receives it.
+    """
+    server, client = pair
+    read, write = os.pipe()
+    os.set_blocking(read, False)
+    client.sendall(wire.GET_HOST_PID_REQUEST)
+    client.sendmsg([b"y"], rights(write))
+    os.close(write)  # the queued message holds the last reference now
+    receiver = PassedDescriptors(BackgroundCloser())
+    assert receiver.receive(server, 8) == (wire.GET_HOST_PID_REQUEST, False)
+    server.shutdown(socket.SHUT_RD)
+    assert server.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"y"
+    with pytest.raises(BlockingIOError):
+        os.read(read, 1)  # no end of file: the write end is still open
+    assert receiver.release(server) is True, "the drain received it"
+    wait_for(lambda: receiver.closer.closed == 1, "the pipe closed off this thread")
+    assert os.read(read, 1) == b"", "now the last write end is closed"
+    os.close(read)
+
+
+def test_receive_first_reads_inline_and_refuses_descriptors(pair) -> None:
+    """The fast path's read: out-of-band inline, C{None} for a message with descriptors."""
+    server, client = pair
+    receiver = PassedDescriptors(BackgroundCloser())
+    client.sendall(wire.GET_HOST_PID_REQUEST)
+    assert receiver.receiveFirst(server, 256) == wire.GET_HOST_PID_REQUEST
+    assert server.getsockopt(socket.SOL_SOCKET, socket.SO_OOBINLINE) == 1
+    read, write = os.pipe()
+    client.sendmsg([b"x"], rights(read))
+    os.close(read)
+    assert receiver.receiveFirst(server, 256) is None
+    assert receiver.received == 1
+    with pytest.raises(BlockingIOError):
+        receiver.receiveFirst(server, 256)
+    wait_for(lambda: receiver.closer.closed == 1, "the closer to close the pipe")
+    os.close(write)

@@ -436,19 +436,19 @@ class BrokerFactory(Factory):
         passed = self.passed
         assert passed is not None
         try:
-            passed.prepare(sock)
             if not passed.hasRoom():
                 # No read may carry descriptors now: the general path waits
                 # for room (within the deadline) instead.
+                passed.prepare(sock)
                 return b""
-            data, carried = passed.receive(sock, _FAST_READ)
+            data = passed.receiveFirst(sock, _FAST_READ)
         except BlockingIOError:
             return b""
         except OSError:
             passed.release(sock)
             self.record(Outcome.SHORT)
             return None
-        if carried:
+        if data is None:
             passed.release(sock)
             self.record(Outcome.DESCRIPTORS)
             return None
