@@ -27,7 +27,15 @@ import time
 from pathlib import Path
 
 import pytest
-from support import as_user_argv, ask_pid, require_root, running_broker, wait_for
+from attackers import LINGERING_SOCKET
+from support import (
+    as_user_argv,
+    ask_pid,
+    open_fd_count,
+    require_root,
+    running_broker,
+    wait_for,
+)
 
 from hostpid.broker.service import RECEIVE_DESCRIPTORS_ENV
 
@@ -49,35 +57,16 @@ import errno, json, os, resource, socket, struct, sys, time
 path, count, linger = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # descriptors in flight count
-keep = []
-def lingering():
-    listener = socket.socket()
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(1)
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    sock.connect(listener.getsockname())
-    sock.setblocking(False)
-    full = 0
-    while full < 3:  # until the peer's window and our queue stay full
-        try:
-            sock.send(b"x" * 65536)
-            full = 0
-        except BlockingIOError:
-            full += 1
-            time.sleep(0.01)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, linger))
-    keep.append(listener)
-    return sock
+""" + LINGERING_SOCKET + r"""
 read_end, write_end = os.pipe()
-socks = [lingering() for _ in range(count)]
+socks = [lingering(linger) for _ in range(count)]
 conns = []
 for _ in range(count):
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(path)
     conns.append(conn)
-time.sleep(0.3)  # accepted by now, silent: on the general path
+print("connected", flush=True)
+sys.stdin.readline()  # the test says "go" once the broker holds them all
 results = []
 for conn, sock in zip(conns, socks):
     fds = [read_end] * 252 + [sock.fileno()]
@@ -105,13 +94,20 @@ def test_a_full_descriptor_table_does_not_freeze_the_broker(public_tmp: Path) ->
         env={RECEIVE_DESCRIPTORS_ENV: "1"},
         preexec_fn=_modest_descriptor_limit,
     ) as broker:
+        baseline = open_fd_count(broker.pid)
         attacker = subprocess.Popen(
             as_user_argv(1000, [sys.executable, "-c", ATTACKER, str(broker.socket_path),
                                 str(CONNECTIONS), str(LINGER)]),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
         try:
-            assert attacker.stdout is not None
+            assert attacker.stdout is not None and attacker.stdin is not None
+            assert attacker.stdout.readline() == "connected\n"
+            # Silent and accepted: the messages arrive on the general path.
+            wait_for(lambda: open_fd_count(broker.pid) >= baseline + CONNECTIONS,
+                     "the broker to hold every attacker connection")
+            attacker.stdin.write("go\n")
+            attacker.stdin.flush()
             results = json.loads(attacker.stdout.readline())
             assert results == ["sent"] * CONNECTIONS, results
             waits = []

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import pytest
+from attackers import LINGERING_SOCKET
 from support import as_user_argv, ask_pid, connect, require_root, running_broker, wait_for
 
 from hostpid import wire
@@ -52,27 +53,7 @@ ATTACKER = r"""
 import array, errno, fcntl, json, socket, struct, sys, termios, time
 path, count, linger, how = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 REQUEST = b"HPID\x00\x01\x00\x01"
-keep = []
-def lingering():
-    listener = socket.socket()
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(1)
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    sock.connect(listener.getsockname())
-    sock.setblocking(False)
-    full = 0
-    while full < 5:  # until the peer's window and our queue stay full
-        try:
-            sock.send(b"x" * 65536)
-            full = 0
-        except BlockingIOError:
-            full += 1
-            time.sleep(0.02)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, linger))
-    keep.append(listener)
-    return sock
+""" + LINGERING_SOCKET + r"""
 def send(conn, data, sock, flags=0):
     try:
         conn.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
@@ -82,7 +63,7 @@ def send(conn, data, sock, flags=0):
         return errno.errorcode[e.errno]
 results = []
 for _ in range(count):
-    sock = lingering()
+    sock = lingering(linger)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(path)
     if how == "whole":

@@ -1,0 +1,32 @@
+"""
+Pieces of attacker programs shared by the attack tests.  Attackers run as a
+real UID 1000 process (C{python -c SOURCE}), so their code is source text.
+"""
+
+#: Defines C{lingering(linger)} (and a list C{keep}): a loopback TCP socket
+#: whose peer never reads, with its send queue full and C{SO_LINGER {1,
+#: linger}}, so that whoever drops its last reference waits C{linger}
+#: seconds in C{tcp_close}.  Needs C{socket}, C{struct} and C{time}.
+LINGERING_SOCKET = r'''
+keep = []
+def lingering(linger):
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    sock.connect(listener.getsockname())
+    sock.setblocking(False)
+    full = 0
+    while full < 3:  # until the peer's window and our queue stay full
+        try:
+            sock.send(b"x" * 65536)
+            full = 0
+        except BlockingIOError:
+            full += 1
+            time.sleep(0.01)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, linger))
+    keep.append(listener)
+    return sock
+'''
