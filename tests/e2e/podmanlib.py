@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from support import require_tool, wait_for
-from test_runc import ContainerRun, PythonLayout, query_script
+from test_runc import ContainerRun, PythonLayout, make_rootfs, query_script
 
 PODMAN_TIMEOUT = 120.0
 #: The spec directories podman 4.3 reads (C{/var/run} is C{/run} here).
@@ -57,13 +57,7 @@ class CdiNode:
         wait_for(lambda: self._namespace() not in (None, ours), "the private mount namespace")
         for directory in SPEC_DIRECTORIES:
             self.inside(["mount", "-t", "tmpfs", "-o", "mode=0755,size=1m", "tmpfs", directory])
-        self.rootfs = workdir / "rootfs"
-        self.rootfs.mkdir()
-        os.chmod(self.rootfs, 0o755)
-        for name in ("bin", "lib", "lib64", "sbin"):
-            host = Path("/") / name
-            if host.is_symlink():
-                (self.rootfs / name).symlink_to(os.readlink(host))
+        self.rootfs = make_rootfs(workdir)
         self.python = PythonLayout.of_this_process()
         self.runs: list[ContainerRun] = []
 

@@ -33,7 +33,7 @@ from support import (
     subprocess_env,
     wait_for,
 )
-from test_runc import ContainerRun, Node, assert_host_pid_answered
+from test_runc import ContainerRun, Node, assert_host_pid_answered, private_node
 
 from hostpid.gate import GATE_ENV
 
@@ -59,15 +59,8 @@ def cdi_node() -> Iterator[CdiNode]:
 @pytest.fixture
 def node() -> Iterator[Node]:
     """Private stand-ins for C{/var/run/hami} and C{/tmp} (as the runc e2e test has)."""
-    require_root()
-    home = Path(tempfile.mkdtemp(prefix="hostpid-node-", dir="/tmp"))
-    os.chmod(home, 0o755)
-    (home / "run").mkdir(mode=0o755)
-    (home / "tmp").mkdir(mode=0o755)
-    try:
-        yield Node(broker_dir=home / "run" / "hostpid", lock_parent=home / "tmp" / "vgpulock")
-    finally:
-        shutil.rmtree(home)
+    with private_node() as made:
+        yield made
 
 
 def write_spec(cdi_node: CdiNode, node: Node, gate: str) -> dict[str, object]:

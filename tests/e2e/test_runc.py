@@ -31,6 +31,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +133,22 @@ def _inside(path: str, directory: str) -> bool:
     return path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
+def make_rootfs(workdir: Path) -> Path:
+    """
+    An empty 0755 container root in C{workdir}: this Debian (and CI's) has
+    C{/bin}, C{/lib}, C{/lib64} and C{/sbin} as symlinks into C{/usr};
+    recreate whichever the host has (the runtimes bind C{/usr} itself).
+    """
+    rootfs = workdir / "rootfs"
+    rootfs.mkdir()
+    os.chmod(rootfs, 0o755)
+    for name in ("bin", "lib", "lib64", "sbin"):
+        host = Path("/") / name
+        if host.is_symlink():
+            (rootfs / name).symlink_to(os.readlink(host))
+    return rootfs
+
+
 class Runtime:
     """Bundles and C{runc} runs under one private state directory."""
 
@@ -140,15 +157,7 @@ class Runtime:
         self.workdir = workdir
         self.state = workdir / "runc-state"
         self.state.mkdir(mode=0o700)
-        self.rootfs = workdir / "rootfs"
-        self.rootfs.mkdir()
-        os.chmod(self.rootfs, 0o755)
-        # This Debian (and CI's) has /bin, /lib, /lib64 and /sbin as
-        # symlinks into /usr; recreate whichever the host has.
-        for name in ("bin", "lib", "lib64", "sbin"):
-            host = Path("/") / name
-            if host.is_symlink():
-                (self.rootfs / name).symlink_to(os.readlink(host))
+        self.rootfs = make_rootfs(workdir)
         self.python = PythonLayout.of_this_process()
         self.runs: list[ContainerRun] = []
 
@@ -259,6 +268,12 @@ class Node:
 
 @pytest.fixture
 def node() -> Iterator[Node]:
+    with private_node() as made:
+        yield made
+
+
+@contextmanager
+def private_node() -> Iterator[Node]:
     """
     Root-owned 0755 directories in C{/tmp} standing in for C{/var/run/hami}
     (the broker makes C{hostpid} inside, 0711) and C{/tmp} (the lock parent
