@@ -10,7 +10,7 @@ it reports, as one JSON line on the descriptor given, what C{/tmp/vgpulock}
 and C{/tmp/vgpulock/hostpid} are in the private C{/tmp}, then exits with the
 command's status.
 
-Usage: privatetmp.py STAGE REPORT_FD -- ARGV...
+Usage: privatetmp.py STAGE REPORT_FD -- ARGV...   (REPORT_FD C{-}: no report)
 """
 
 from __future__ import annotations
@@ -48,9 +48,10 @@ def main(argv: list[str]) -> int:
         mount("--rbind", path, inside)
     mount("--rbind", stage, "/tmp")
     status = subprocess.run(command, check=False).returncode
-    report = {path: describe(path) for path in ("/tmp/vgpulock", "/tmp/vgpulock/hostpid")}
-    with os.fdopen(int(report_fd), "w") as out:
-        out.write(json.dumps(report) + "\n")
+    if report_fd != "-":
+        report = {path: describe(path) for path in ("/tmp/vgpulock", "/tmp/vgpulock/hostpid")}
+        with os.fdopen(int(report_fd), "w") as out:
+            out.write(json.dumps(report) + "\n")
     return status
 
 

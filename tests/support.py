@@ -341,10 +341,12 @@ def cpu_seconds(pid: int) -> float:
 
 class DefaultLayout:
     """
-    A private mount namespace whose C{/run} is an empty tmpfs, so that a
-    broker can run as root with its default directory (C{/var/run/hami/
-    hostpid}) without touching the host's; commands are run in it with
-    C{nsenter}, and the test reaches its socket through C{/proc/PID/root}.
+    A private mount namespace whose C{/run} is an empty tmpfs and whose
+    C{/tmp} is private too (C{privatetmp.py}), so that a broker can run as
+    root with its default paths (C{/var/run/hami/hostpid}, and the shipped
+    DaemonSet's C{--lock-parent /tmp/vgpulock}) without touching the host's;
+    commands are run in it with C{nsenter}, and the test reaches its socket
+    through C{/proc/PID/root}.
     """
 
     def __init__(self) -> None:
@@ -352,8 +354,10 @@ class DefaultLayout:
         unshare = require_tool("unshare")
         self.nsenter = require_tool("nsenter")
         require_tool("mount")
+        self.stage = tempfile.mkdtemp(prefix="hostpid-defaultlayout-", dir="/tmp")
         self.holder = subprocess.Popen(
-            [unshare, "--mount", "--propagation", "private", "--", "sh", "-c",
+            [unshare, "--mount", "--propagation", "private", sys.executable,
+             str(REPO / "tests" / "privatetmp.py"), self.stage, "-", "--", "sh", "-c",
              "mount -t tmpfs -o mode=0755 hostpid-test /run && echo ready && exec cat"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
@@ -376,6 +380,7 @@ class DefaultLayout:
         assert self.holder.stdin is not None
         self.holder.stdin.close()
         self.holder.wait(WAIT_SECONDS)
+        os.rmdir(self.stage)
 
     def __enter__(self) -> DefaultLayout:
         return self
