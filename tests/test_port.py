@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import socket
+from collections.abc import Iterator
 
 import pytest
 from twisted.internet.testing import MemoryReactorClock
@@ -49,21 +50,32 @@ def clock() -> MemoryReactorClock:
     return MemoryReactorClock()
 
 
-def make_port(clock: MemoryReactorClock, fatal: list[Failure]) -> tuple[BrokerPort, list[dict]]:
+@pytest.fixture
+def listener() -> Iterator[ScriptedListener]:
+    """The scripted listener; its clients' sockets are closed after the test."""
+    scripted = ScriptedListener()
+    yield scripted
+    for client in scripted.clients:
+        client.close()
+
+
+def make_port(
+    clock: MemoryReactorClock, listener: ScriptedListener, fatal: list[Failure]
+) -> tuple[BrokerPort, list[dict]]:
     factory = BrokerFactory(clock)
     port = BrokerPort("/nonexistent/broker.sock", -1, factory, clock, fatal.append)
     events: list[dict] = []
     port.log = Logger(observer=events.append)
-    port.socket = ScriptedListener()  # type: ignore[assignment]
+    port.socket = listener  # type: ignore[assignment]
     port.connected = True
     port.startReading()
     return port, events
 
 
 @pytest.mark.parametrize("code", [errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM])
-def test_resource_error_backs_off_and_recovers(clock, code: int) -> None:
+def test_resource_error_backs_off_and_recovers(clock, listener, code: int) -> None:
     fatal: list[Failure] = []
-    port, events = make_port(clock, fatal)
+    port, events = make_port(clock, listener, fatal)
     port.socket.errors = [code]  # type: ignore[attr-defined]
     port.doRead()
     assert port not in clock.readers, "stopped reading the listener"
@@ -75,8 +87,8 @@ def test_resource_error_backs_off_and_recovers(clock, code: int) -> None:
     assert events[0]["error"] == errno.errorcode[code]
 
 
-def test_backoff_doubles_to_one_second_and_resets(clock) -> None:
-    port, events = make_port(clock, [])
+def test_backoff_doubles_to_one_second_and_resets(clock, listener) -> None:
+    port, events = make_port(clock, listener, [])
     delays = []
     for _ in range(12):
         port.socket.errors = [errno.ENFILE]  # type: ignore[attr-defined]
@@ -98,9 +110,9 @@ def test_backoff_doubles_to_one_second_and_resets(clock) -> None:
 
 
 @pytest.mark.parametrize("code", [errno.ECONNABORTED, errno.EPERM, errno.EPROTO, errno.EINTR])
-def test_per_connection_errors_are_skipped(clock, code: int) -> None:
+def test_per_connection_errors_are_skipped(clock, listener, code: int) -> None:
     fatal: list[Failure] = []
-    port, _ = make_port(clock, fatal)
+    port, _ = make_port(clock, listener, fatal)
     port.socket.errors = [code, code]  # type: ignore[attr-defined]
     port.doRead()
     assert fatal == []
@@ -109,19 +121,18 @@ def test_per_connection_errors_are_skipped(clock, code: int) -> None:
 
 
 @pytest.mark.parametrize("code", [errno.EBADF, errno.EINVAL, errno.ENOTSOCK])
-def test_other_accept_errors_are_fatal(clock, code: int) -> None:
+def test_other_accept_errors_are_fatal(clock, listener, code: int) -> None:
     fatal: list[Failure] = []
-    port, _ = make_port(clock, fatal)
+    port, _ = make_port(clock, listener, fatal)
     port.socket.errors = [code]  # type: ignore[attr-defined]
     port.doRead()
     assert len(fatal) == 1
     assert fatal[0].value.errno == code
 
 
-def test_accepts_per_turn_adapt_to_what_is_waiting(clock) -> None:
+def test_accepts_per_turn_adapt_to_what_is_waiting(clock, listener) -> None:
     """One per turn for a lone client (no failing accept), doubling under load."""
-    port, _ = make_port(clock, [])
-    listener = port.socket
+    port, _ = make_port(clock, listener, [])
     listener.errors = [0] * 10  # type: ignore[attr-defined]
     turns = []
     while listener.errors:  # type: ignore[attr-defined]
@@ -137,8 +148,8 @@ def test_accepts_per_turn_adapt_to_what_is_waiting(clock) -> None:
         assert client.recv(64) == wire.encode_ok(os.getpid())
 
 
-def test_pending_resume_is_cancelled_when_the_port_closes(clock, tmp_path) -> None:
-    port, _ = make_port(clock, [])
+def test_pending_resume_is_cancelled_when_the_port_closes(clock, listener, tmp_path) -> None:
+    port, _ = make_port(clock, listener, [])
     port.socket.errors = [errno.EMFILE]  # type: ignore[attr-defined]
     port.doRead()
     assert clock.getDelayedCalls()
@@ -148,12 +159,12 @@ def test_pending_resume_is_cancelled_when_the_port_closes(clock, tmp_path) -> No
     assert clock.getDelayedCalls() == []
 
 
-def test_answers_at_accept_are_timed_once_per_accept_batch(clock) -> None:
+def test_answers_at_accept_are_timed_once_per_accept_batch(clock, listener) -> None:
     """
     The fast path reads no clock per answer: the port observes the batch's
     answers at its end, each with the batch's duration (an upper bound).
     """
-    port, _ = make_port(clock, [])
+    port, _ = make_port(clock, listener, [])
     port._acceptsPerTurn = 4
     port.socket.errors = [0, 0, 0]  # type: ignore[attr-defined]
     port.doRead()
