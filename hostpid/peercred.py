@@ -30,6 +30,8 @@ import attrs
 from twisted.logger import Logger
 
 _UCRED = struct.Struct("3i")
+_SOL_SOCKET = int(socket.SOL_SOCKET)
+_SO_PEERCRED = int(socket.SO_PEERCRED)
 
 #: C{SO_PEERPIDFD} from C{asm-generic/socket.h}; Python 3.11 has no constant.
 SO_PEERPIDFD = 77
@@ -58,14 +60,7 @@ def peer_credentials(sock: socket.socket) -> PeerCredentials:
 
     @raise OSError: the kernel refused (for example the socket is closed).
     """
-    return PeerCredentials(*_ucred(sock))
-
-
-def _ucred(sock: _socket.socket) -> tuple[int, int, int]:
-    """C{struct ucred} as a plain tuple: the hot path needs the PID and no object."""
-    return _UCRED.unpack(
-        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-    )
+    return PeerCredentials(*_UCRED.unpack(sock.getsockopt(_SOL_SOCKET, _SO_PEERCRED, _UCRED.size)))
 
 
 def peer_pidfd(sock: _socket.socket) -> int:
@@ -193,7 +188,10 @@ class PeerIdentifier:
         @raise PeerGone: the connecting process is no longer there.
         """
         try:
-            pid = _ucred(sock)[0]
+            # The PID alone, as a C int: the kernel copies as much of
+            # C{struct ucred} as the buffer holds, and the PID comes first.
+            # No bytes object and no unpacking on the hot path.
+            pid = sock.getsockopt(_SOL_SOCKET, _SO_PEERCRED)
         except OSError as e:
             raise PeerCredentialsFailed(e.strerror) from None
         if pid <= 0:

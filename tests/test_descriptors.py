@@ -22,6 +22,7 @@ from hostpid.broker.descriptors import (
     BackgroundCloser,
     PassedDescriptors,
     refuse_descriptor_passing,
+    unix_out_of_band_supported,
 )
 
 
@@ -109,6 +110,34 @@ def test_out_of_band_descriptors_are_received_once_inline(pair) -> None:
     receiver.prepare(server)
     assert receiver.receive(server, 256) == (b"!", True)
     os.close(write)
+
+
+def test_this_kernel_has_unix_out_of_band_data(pair) -> None:
+    """
+    The probe agrees with what a real out-of-band message does here: it is
+    queued, and marked (the kernels this suite runs on are 5.15+ with
+    C{CONFIG_AF_UNIX_OOB}, Debian's default).  The attack tests in
+    C{test_attack_passed_descriptors.py} then prove the inline read needed.
+    """
+    server, client = pair
+    client.send(b"!", socket.MSG_OOB)
+    assert server.recv(1, socket.MSG_OOB) == b"!"
+    assert unix_out_of_band_supported() is True
+    assert PassedDescriptors(BackgroundCloser()).outOfBand is True
+
+
+@pytest.mark.parametrize("outOfBand", [True, False])
+def test_inline_out_of_band_only_where_the_kernel_has_it(pair, outOfBand: bool) -> None:
+    """Without Unix out-of-band data each connection is spared the setsockopt."""
+    server, client = pair
+    receiver = PassedDescriptors(BackgroundCloser(), outOfBand=outOfBand)
+    client.sendall(wire.GET_HOST_PID_REQUEST)
+    assert receiver.receiveFirst(server, 256) == wire.GET_HOST_PID_REQUEST
+    assert server.getsockopt(socket.SOL_SOCKET, socket.SO_OOBINLINE) == int(outOfBand)
+    other, _peer = socket.socketpair()
+    with other, _peer:
+        receiver.prepare(other)
+        assert other.getsockopt(socket.SOL_SOCKET, socket.SO_OOBINLINE) == int(outOfBand)
 
 
 def test_closer_saturates_at_its_limit() -> None:

@@ -19,9 +19,10 @@ Two modes, chosen once when the listener is created (L{DescriptorMode}):
   - I{received} (older kernels, C{ENOPROTOOPT}): L{PassedDescriptors} reads
     with C{recvmsg} and an ancillary buffer for C{SCM_MAX_FD} descriptors, so
     the kernel never has to discard (and release, in our thread) a
-    descriptor for lack of room; sets C{SO_OOBINLINE} on each connection, or
-    an out-of-band byte carrying descriptors would be discarded by the next
-    ordinary read; and closes each connection only after C{shutdown(SHUT_RD)}
+    descriptor for lack of room; sets C{SO_OOBINLINE} on each connection
+    where the kernel has Unix out-of-band data (5.15+, C{CONFIG_AF_UNIX_OOB}),
+    or an out-of-band byte carrying descriptors would be discarded by the
+    next ordinary read; and closes each connection only after C{shutdown(SHUT_RD)}
     (from then on the peer's C{sendmsg} fails with C{EPIPE}) and a peek that
     finds the queue empty, or else a bounded drain of what was queued.
     Each received descriptor is then made
@@ -219,6 +220,8 @@ class PassedDescriptors:
 
     @ivar received: descriptors received so far (all disposed of).
     @ivar paused: times a read was put off for lack of room.
+    @ivar outOfBand: whether this kernel queues out-of-band messages on Unix
+        stream sockets, so that each connection needs C{SO_OOBINLINE}.
     """
 
     def __init__(
@@ -228,6 +231,7 @@ class PassedDescriptors:
         reactor: Any = None,
         descriptorLimit: int | None = None,
         reserved: int | None = None,
+        outOfBand: bool | None = None,
     ) -> None:
         """
         @param connections: how many connections the broker holds now (the
@@ -236,7 +240,10 @@ class PassedDescriptors:
             C{RLIMIT_NOFILE} now.
         @param reserved: descriptors the broker holds for itself; by default
             those open now plus every metrics connection and L{ROOM_MARGIN}.
+        @param outOfBand: by default, asked of the kernel once
+            (L{unix_out_of_band_supported}).
         """
+        self.outOfBand = unix_out_of_band_supported() if outOfBand is None else outOfBand
         self.closer = closer if closer is not None else BackgroundCloser()
         self.received = 0
         self.paused = 0
@@ -297,14 +304,15 @@ class PassedDescriptors:
             self._reactor = reactor
         return self._reactor
 
-    @staticmethod
-    def prepare(sock: _socket.socket) -> None:
+    def prepare(self, sock: _socket.socket) -> None:
         """
         Before the first read: read out-of-band bytes inline.  Otherwise the
         kernel discards an out-of-band message at the next ordinary read,
-        releasing any descriptor it carries in the reading thread.
+        releasing any descriptor it carries in the reading thread.  A kernel
+        without Unix out-of-band data queues no such message: nothing to do.
         """
-        sock.setsockopt(_SOL_SOCKET, _SO_OOBINLINE, 1)
+        if self.outOfBand:
+            sock.setsockopt(_SOL_SOCKET, _SO_OOBINLINE, 1)
 
     def receiveFirst(self, sock: _socket.socket, size: int) -> bytes | None:
         """
@@ -315,7 +323,8 @@ class PassedDescriptors:
             descriptors (disposed of) or its ancillary data was truncated.
         @raise OSError: as C{recvmsg} (C{BlockingIOError}: nothing waiting).
         """
-        sock.setsockopt(_SOL_SOCKET, _SO_OOBINLINE, 1)
+        if self.outOfBand:
+            sock.setsockopt(_SOL_SOCKET, _SO_OOBINLINE, 1)
         data, ancillary, flags, _ = sock.recvmsg(size, ANCILLARY_SPACE, _RECV_FLAGS)
         if ancillary:
             self._dispose(ancillary)
@@ -411,6 +420,26 @@ class PassedDescriptors:
                 self.received += 1
                 if not _close_if_harmless(fd):
                     self.closer.submit(fd)
+
+
+def unix_out_of_band_supported() -> bool:
+    """
+    Whether this kernel queues out-of-band data on Unix stream sockets
+    (Linux 5.15+ built with C{CONFIG_AF_UNIX_OOB}): asked once, by sending
+    an out-of-band byte over a socket pair.  Where the kernel refuses it
+    (C{EOPNOTSUPP}) no client can queue such a message either, and each
+    connection is spared a C{setsockopt(SO_OOBINLINE)}.  Any other answer
+    counts as supported: the check is then kept.
+    """
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        left.send(b"!", socket.MSG_OOB | socket.MSG_DONTWAIT)
+    except OSError as e:
+        return e.errno != errno.EOPNOTSUPP
+    finally:
+        left.close()
+        right.close()
+    return True
 
 
 def _soft_descriptor_limit() -> int:
