@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, NoReturn, TextIO
 from hostpid import defaults
 
 if TYPE_CHECKING:
-    from hostpid.client.trust import HostPidUnavailable
+    from hostpid.client.trust import CheckResult, HostPidUnavailable
 
 #: The distribution whose version C{--version} prints.
 DISTRIBUTION = "hostpid-broker"
@@ -90,8 +90,22 @@ def _doctor(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
         stdout.write(f"broker-mount FAIL {problem}\n")
     results = client.doctor(client.TrustPolicy(socket_path=args.socket))
     for result in results:
-        stdout.write(f"{result.name} {'ok' if result.ok else 'FAIL'} {result.observed}\n")
+        stdout.write(_doctor_line(result, args.socket))
     return 0 if problem is None and all(result.ok for result in results) else 1
+
+
+def _doctor_line(result: CheckResult, socket_path: str) -> str:
+    """
+    C{NAME ok OBSERVED}, or C{NAME FAIL PATH: OBSERVED} naming the path the
+    failed check looked at, as C{query} does; a check not run names none.
+    """
+    from hostpid.client.trust import checked_path
+
+    if result.ok:
+        return f"{result.name} ok {result.observed}\n"
+    path = checked_path(result.name, socket_path)
+    where = f"{path}: " if path is not None and not result.observed.startswith("not ") else ""
+    return f"{result.name} FAIL {where}{result.observed}\n"
 
 
 def _prepare_lock_parent(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:

@@ -574,9 +574,9 @@ class TestCommandLine:
         assert status == 1 and err == ""
         assert out.splitlines() == [
             "gate FAIL LIBVGPU_HOSTPID_BROKER='true'",
-            "directory FAIL directory, uid 0, mode 0777: group or other may write",
+            f"directory FAIL {directory}: directory, uid 0, mode 0777: group or other may write",
             "socket ok socket, uid 0, mode 0755",
-            "read-only-mount FAIL read-write mount",
+            f"read-only-mount FAIL {directory}: read-write mount",
             "connect ok connected",
             f"peer-uid ok uid 0 (pid {os.getpid()})",
             "reply ok host PID 4242",
@@ -591,6 +591,9 @@ class TestCommandLine:
             [name, "FAIL"] for name in client.DOCTOR_CHECKS
         ]
         assert lines[0] == "gate FAIL LIBVGPU_HOSTPID_BROKER unset"
+        assert lines[1] == (
+            f"directory FAIL {tmp_path / 'none'}: cannot open: ENOENT (No such file or directory)"
+        ), "the path checked is named, as query names it"
         assert lines[4] == "connect FAIL not tried: no socket to connect to"
 
     def test_doctor_reports_a_trickling_reply(
@@ -601,7 +604,7 @@ class TestCommandLine:
             status, out, _ = run_cli("doctor", "--socket", str(broker.path))
         assert status == 1
         assert out.splitlines()[-1].startswith(
-            "reply FAIL deadline: 0.5 s passed waiting for the reply ("
+            f"reply FAIL {broker.path}: deadline: 0.5 s passed waiting for the reply ("
         )
 
 

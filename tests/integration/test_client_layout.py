@@ -183,7 +183,7 @@ def test_doctor_and_query_in_a_read_write_layout(
         stdout = result["stdout"]
         assert isinstance(stdout, str)
         lines = stdout.splitlines()
-        assert lines[3] == "read-only-mount FAIL read-write mount"
+        assert lines[3] == "read-only-mount FAIL /tmp/vgpulock/hostpid: read-write mount"
         assert [line.split()[1] for line in lines] == ["ok"] * 3 + ["FAIL"] + ["ok"] * 3
     with in_layout(broker, tmp_path / "q", work, "rw", "query") as (results, _):
         [result] = results
