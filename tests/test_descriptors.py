@@ -9,9 +9,11 @@ import array
 import os
 import socket
 import struct
+import time
 from collections.abc import Iterator
 
 import pytest
+from attackers import LINGERING_SOCKET
 from support import wait_for
 
 from hostpid import wire
@@ -141,13 +143,27 @@ def test_inline_out_of_band_only_where_the_kernel_has_it(pair, outOfBand: bool) 
 
 
 def test_closer_saturates_at_its_limit() -> None:
+    """
+    Its one thread stuck in a lingering socket's close (the attack's
+    descriptor), a second descriptor waits behind it: the closer is
+    saturated until the close returns, then drains.
+    """
+    attacker: dict[str, object] = {"socket": socket, "struct": struct, "time": time}
+    exec(LINGERING_SOCKET, attacker)
+    stuck = attacker["lingering"](60)  # type: ignore[operator]
     closer = BackgroundCloser(threads=1, limit=2)
     read, write = os.pipe()
-    closer.submit(os.dup(read))
-    closer.submit(os.dup(read))
-    # pending may already be falling: the point is that it is counted, then drains.
+    closer.submit(stuck.detach())  # the last reference: its close waits out the linger
+    closer.submit(read)
+    assert (closer.pending, closer.saturated, closer.room) == (2, True, 0)
+    assert os.write(write, b"x") == 1, "the pipe's read end waits behind the stuck close"
+    # The peer goes (its listener closes with the connection unaccepted): a
+    # reset, so the lingering close returns and the queue drains.
+    for held in attacker["keep"]:  # type: ignore[attr-defined]
+        held.close()
     wait_for(lambda: closer.closed == 2 and not closer.saturated, "the closer to drain")
-    os.close(read)
+    with pytest.raises(BrokenPipeError):
+        os.write(write, b"x")
     os.close(write)
 
 

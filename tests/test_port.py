@@ -13,12 +13,14 @@ import socket
 from collections.abc import Iterator
 
 import pytest
+from support import WAIT_SECONDS
 from twisted.internet.testing import MemoryReactorClock
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from hostpid import wire
-from hostpid.broker.port import BACKOFF_INITIAL, BACKOFF_MAX, BrokerPort
+from hostpid.broker.descriptors import SCM_MAX_FD, BackgroundCloser, PassedDescriptors
+from hostpid.broker.port import BACKOFF_INITIAL, BACKOFF_MAX, CLOSER_RECHECK, BrokerPort
 from hostpid.broker.server import BrokerFactory
 
 
@@ -176,3 +178,37 @@ def test_answers_at_accept_are_timed_once_per_accept_batch(clock, listener) -> N
     for client in port.socket.clients:  # type: ignore[attr-defined]
         assert client.recv(64) == wire.encode_ok(os.getpid())
         client.close()
+
+
+def test_a_saturated_closer_pauses_accepting_until_it_drains(clock, listener) -> None:
+    """
+    Mode received: while the background closer's queue is full (its threads
+    stuck on passed descriptors), the port accepts nothing, each connection
+    could bring more, and looks again every CLOSER_RECHECK seconds; once
+    the queue has room it accepts what waited.
+    """
+    port, events = make_port(clock, listener, [])
+    closer = BackgroundCloser(limit=SCM_MAX_FD)  # room for one full message when empty
+    closer.pending = SCM_MAX_FD  # as if that many descriptors were stuck closing
+    port.factory.receiveDescriptors(PassedDescriptors(closer, descriptorLimit=1 << 16))
+    listener.errors = [0]  # a client with its request waiting
+    port.doRead()
+    assert listener.errors == [0], "nothing accepted"
+    assert port not in clock.readers
+    assert port.closerPauses == 1 and len(events) == 1
+    [recheck] = clock.getDelayedCalls()
+    assert recheck.getTime() == pytest.approx(CLOSER_RECHECK)
+    clock.advance(CLOSER_RECHECK)
+    assert port in clock.readers
+    port.doRead()  # still saturated: paused again, logged at powers of two only
+    assert listener.errors == [0] and port.closerPauses == 2 and len(events) == 2
+    clock.advance(CLOSER_RECHECK)
+    port.doRead()
+    assert port.closerPauses == 3 and len(events) == 2
+    closer.pending = 0  # the stuck close returned
+    clock.advance(CLOSER_RECHECK)
+    port.doRead()
+    assert listener.errors == []
+    [client] = listener.clients
+    client.settimeout(WAIT_SECONDS)
+    assert client.recv(64) == wire.encode_ok(os.getpid()), "answered once the closer drained"
