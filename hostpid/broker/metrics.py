@@ -152,7 +152,8 @@ class BrokerCollector:
         )
         refused = CounterMetricFamily(
             "hostpid_broker_metrics_refused",
-            "Metrics connections or requests refused: over_limit (closed at accept), "
+            "Metrics connections or requests refused: evicted (the oldest, closed for a "
+            "newcomer at the cap), over_limit (closed at accept: no slot could be freed), "
             "timed_out (no whole request in time), method (405), body (413), failed (500).",
             labels=["reason"],
         )

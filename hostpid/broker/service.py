@@ -310,9 +310,12 @@ class BrokerService(Service):
             "hostpid-broker: lock taken: {path}",
             path=os.path.join(self.directory, defaults.LOCK_NAME),
         )
-        # After the lock (a second broker must not touch what the node side
-        # prepares, such as the CDI spec) and before listening (a refusal
-        # leaves no socket behind).
+        # After the lock (a second enabled broker, which will not serve, does
+        # not rewrite the CDI spec) and before listening (a refusal leaves no
+        # socket behind).  A disabled broker prepares without the lock, which
+        # lives in the directory it does not create: both steps are safe to
+        # race (the spec is renamed into place, the lock parent prepared
+        # race-free by renameat2).
         self._prepareNode()
         state = fsrules.clear_socket_path(self._directoryFd, self.directory, expectedUid)
         if state is fsrules.SocketPathState.STALE_REMOVED:
