@@ -10,7 +10,12 @@ it reports, as one JSON line on the descriptor given, what C{/tmp/vgpulock}
 and C{/tmp/vgpulock/hostpid} are in the private C{/tmp}, then exits with the
 command's status.
 
-Usage: privatetmp.py STAGE REPORT_FD -- ARGV...   (REPORT_FD C{-}: no report)
+Usage: privatetmp.py STAGE REPORT_FD [--keep PATH]... [--private-run] -- ARGV...
+
+REPORT_FD C{-}: no report.  C{--keep PATH}: a directory under the host's
+C{/tmp} kept visible at its own path too (a test's scratch directory).
+C{--private-run}: C{/run} is an empty tmpfs as well (for commands whose
+defaults live there: C{/var/run/hami/hostpid}, C{/var/run/cdi}).
 """
 
 from __future__ import annotations
@@ -38,11 +43,25 @@ def describe(path: str) -> dict[str, int] | None:
 
 
 def main(argv: list[str]) -> int:
-    stage, report_fd, separator, *command = argv
-    assert separator == "--" and command
+    stage, report_fd, *rest = argv
+    separator = rest.index("--")
+    options, command = rest[:separator], rest[separator + 1:]
+    assert command
+    keep: list[str] = []
+    private_run = False
+    while options:
+        option = options.pop(0)
+        if option == "--keep":
+            keep.append(os.path.realpath(options.pop(0)))
+        else:
+            assert option == "--private-run", option
+            private_run = True
     mount("--make-rprivate", "/")
+    if private_run:
+        mount("-t", "tmpfs", "-o", "mode=0755", "hostpid-test", "/run")
     mount("-t", "tmpfs", "-o", "mode=1777", "tmpfs", stage)
-    for path in kept_under_tmp():
+    kept = kept_under_tmp() + [path for path in keep if path.startswith("/tmp/")]
+    for path in kept:
         inside = f"{stage}/{os.path.relpath(path, '/tmp')}"
         os.makedirs(inside, exist_ok=True)
         mount("--rbind", path, inside)

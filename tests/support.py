@@ -357,8 +357,8 @@ class DefaultLayout:
         self.stage = tempfile.mkdtemp(prefix="hostpid-defaultlayout-", dir="/tmp")
         self.holder = subprocess.Popen(
             [unshare, "--mount", "--propagation", "private", sys.executable,
-             str(REPO / "tests" / "privatetmp.py"), self.stage, "-", "--", "sh", "-c",
-             "mount -t tmpfs -o mode=0755 hostpid-test /run && echo ready && exec cat"],
+             str(REPO / "tests" / "privatetmp.py"), self.stage, "-", "--private-run", "--",
+             "sh", "-c", "echo ready && exec cat"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
         assert self.holder.stdout is not None

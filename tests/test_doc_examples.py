@@ -17,8 +17,11 @@ The rules (a doc that breaks one fails CI):
 - Every other example runs in a scratch directory with a time limit: shell
   with C{bash -euo pipefail}, Python with this interpreter, both with the
   working tree first on C{PYTHONPATH} and this environment's C{bin} (its
-  C{hostpid} and C{twistd}) first on C{PATH}, and must exit 0.  The tests
-  run as root in CI, as the docs' examples say they do.
+  C{hostpid} and C{twistd}) first on C{PATH}, and must exit 0.  They run as
+  root, as the docs' examples say they do (CI is root), in a private mount
+  namespace whose C{/tmp} and C{/run} are fresh tmpfs mounts
+  (C{privatetmp.py}): an example on the default paths (C{/tmp/vgpulock},
+  C{/var/run/cdi}) runs as written and the host's are never touched.
 
 The README's two commands are marked (one runs a foreground server, the other
 the whole suite) and tested here otherwise: the test command is what
@@ -33,13 +36,22 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
 import pytest
 from markdown_it import MarkdownIt
-from support import REPO, WAIT_SECONDS, ask_pid, subprocess_env, wait_for
+from support import (
+    REPO,
+    WAIT_SECONDS,
+    ask_pid,
+    require_root,
+    require_tool,
+    subprocess_env,
+    wait_for,
+)
 
 #: Languages whose blocks are examples, and how each is run.
 RUNNABLE = {"sh": "shell", "bash": "shell", "shell": "shell", "python": "python"}
@@ -144,8 +156,22 @@ def environment(scratch: Path) -> dict[str, str]:
     return env
 
 
+@pytest.fixture
+def private_paths() -> Iterator[list[str]]:
+    """The prefix that runs a command with a private C{/tmp} and C{/run}."""
+    require_root()
+    unshare = require_tool("unshare")
+    require_tool("mount")
+    stage = tempfile.mkdtemp(prefix="hostpid-docexample-", dir="/tmp")
+    try:
+        yield [unshare, "--mount", "--propagation", "private", sys.executable,
+               str(REPO / "tests" / "privatetmp.py"), stage, "-", "--private-run"]
+    finally:
+        os.rmdir(stage)
+
+
 @pytest.mark.parametrize("block", runnable(), ids=lambda block: block.where)
-def test_example_runs_as_written(block: Block, tmp_path: Path) -> None:
+def test_example_runs_as_written(block: Block, tmp_path: Path, private_paths: list[str]) -> None:
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     if RUNNABLE[block.language] == "shell":
@@ -155,7 +181,8 @@ def test_example_runs_as_written(block: Block, tmp_path: Path) -> None:
         script.write_text(block.code)
         argv = [sys.executable, str(script)]
     done = subprocess.run(
-        argv, cwd=scratch, env=environment(scratch), capture_output=True, text=True,
+        [*private_paths, "--keep", str(scratch), "--", *argv],
+        cwd=scratch, env=environment(scratch), capture_output=True, text=True,
         timeout=EXAMPLE_TIMEOUT, stdin=subprocess.DEVNULL,
     )
     assert done.returncode == 0, (
