@@ -1059,6 +1059,9 @@ def test_unit_states_what_the_broker_needs() -> None:
     assert unit_value("CapabilityBoundingSet") == ""
     assert unit_value("NoNewPrivileges") == "yes"
     assert unit_value("ProtectSystem") == "strict"
+    # The host's /tmp, read-only under ProtectSystem=strict: the mountpoint watch looks at
+    # the shared lock parent there, which a private /tmp would hide from it.
+    assert unit_value("PrivateTmp") == "no"
     assert unit_value("MemoryDenyWriteExecute") == "yes"
     assert set(unit_value("RestrictAddressFamilies").split()) == {"AF_UNIX", "AF_INET", "AF_INET6"}
     # The broker must see host PIDs and be the host's root.
