@@ -245,12 +245,16 @@ def test_full_slots_evict_the_oldest_waiting_connection(factory, pair, clock) ->
     assert factory.counts[Outcome.EVICTED] == 1
     assert factory.counts[Outcome.OVER_LIMIT] == 0
     assert factory.active == 4
-    assert len(clock.getDelayedCalls()) == 4, "the evicted deadline is cancelled"
+    assert len(factory.deadlines) == 4, "the evicted deadline is stopped"
+    assert len(clock.getDelayedCalls()) == 1, "one delayed call for every deadline"
     end(oldest)
     assert factory.active == 4, "the evicted slot is not released twice"
     assert factory.counts[Outcome.SHORT] == 0
     oldest.dataReceived(wire.GET_HOST_PID_REQUEST)
     assert oldestTransport.value() == b"", "an evicted connection is never answered"
+    clock.advance(DEADLINE)
+    assert factory.counts[Outcome.DEADLINE] == 4, "the others' deadlines, not the evicted one's"
+    assert factory.counts[Outcome.EVICTED] == 1
 
 
 def test_eviction_follows_arrival_order(factory, pair) -> None:

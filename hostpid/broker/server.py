@@ -33,7 +33,6 @@ from collections.abc import Callable
 import attrs
 from twisted.internet.interfaces import (
     IAddress,
-    IDelayedCall,
     IHalfCloseableProtocol,
     IReactorTime,
 )
@@ -43,6 +42,7 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from hostpid import defaults, wire
+from hostpid.broker.deadlines import ArrivalDeadlines
 from hostpid.broker.descriptors import PassedDescriptors
 from hostpid.peercred import PeerGone, PeerIdentifier, PeerUnverified
 
@@ -152,9 +152,10 @@ class BrokerProtocol(Protocol):
     States: I{waiting} (fewer than 8 bytes so far: the factory may evict it
     to make room for a newer connection) and I{finished} (replied, refused,
     evicted or timed out; everything after the 8th byte is ignored).  The
-    deadline is armed in C{connectionMade} and cancelled when the
-    transaction finishes without a reply or the connection is lost, so no
-    delayed call outlives the connection.
+    deadline starts in C{connectionMade} (in the factory's
+    L{ArrivalDeadlines}, one delayed call for all) and stops when the
+    transaction is evicted or the connection is lost, so no timer outlives
+    the connections.
 
     The protocol holds one of the factory's slots from C{buildProtocol} until
     C{connectionLost}, or until it is evicted, whichever comes first.
@@ -170,14 +171,11 @@ class BrokerProtocol(Protocol):
         self._buffer = b""
         self._finished = False
         self._holdsSlot = True
-        self._deadline: IDelayedCall | None = None
         self._started = 0.0
 
     def connectionMade(self) -> None:
         self._started = self.factory.clock.seconds()
-        self._deadline = self.factory.clock.callLater(
-            self.factory.deadline, self._deadlineExpired
-        )
+        self.factory.deadlines.start(self)
 
     def dataReceived(self, data: bytes) -> None:
         if self._finished:
@@ -233,7 +231,7 @@ class BrokerProtocol(Protocol):
             self.transport.abortConnection()  # type: ignore[attr-defined]
 
     def _deadlineExpired(self) -> None:
-        self._deadline = None
+        """The factory's L{ArrivalDeadlines} found this one's deadline passed."""
         if not self._finished:
             self._finish(Outcome.DEADLINE)
         self.transport.abortConnection()  # type: ignore[union-attr]
@@ -244,9 +242,7 @@ class BrokerProtocol(Protocol):
         self.factory.record(outcome)
 
     def _cancelDeadline(self) -> None:
-        deadline, self._deadline = self._deadline, None
-        if deadline is not None and deadline.active():
-            deadline.cancel()
+        self.factory.deadlines.stop(self)
 
     def _releaseSlot(self) -> None:
         if self._holdsSlot:
@@ -307,6 +303,11 @@ class BrokerFactory(Factory):
         self.passed: PassedDescriptors | None = None
         #: Protocols still waiting for their request, oldest first.
         self._waiting: OrderedDict[BrokerProtocol, None] = OrderedDict()
+        #: Every open transaction's deadline, behind one delayed call: they
+        #: all have the same length, so they expire in arrival order.
+        self.deadlines: ArrivalDeadlines[BrokerProtocol] = ArrivalDeadlines(
+            clock, deadline, BrokerProtocol._deadlineExpired
+        )
 
     def buildProtocol(self, addr: IAddress) -> BrokerProtocol | None:  # type: ignore[override]
         if self.active >= self.maxConnections:
