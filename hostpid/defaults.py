@@ -40,11 +40,11 @@ LISTEN_BACKLOG = 1024
 
 #: The metrics and health server (C{--metrics}) shares the broker's process,
 #: reactor and descriptors.  It holds at most this many connections at once;
-#: one more is closed as soon as it is accepted.  A scraper and the kubelet's
-#: two probes need three; 16 leaves room for a few scrapers and for probes
-#: that overlap, and is counted in the broker's descriptor headroom
-#: (L{hostpid.broker.service.DESCRIPTOR_HEADROOM}), so no number of metrics
-#: clients can take a descriptor that a transaction needs.
+#: at the cap a newcomer evicts the oldest (closed on the next reactor turn).
+#: A scraper and the kubelet's two probes need three; 16 leaves room for a
+#: few scrapers and for probes that overlap, and is counted in the broker's
+#: descriptor headroom (L{hostpid.broker.service.DESCRIPTOR_HEADROOM}, which
+#: also says what evicted connections still closing may take for a moment).
 METRICS_MAX_CONNECTIONS = 16
 #: Each metrics request must arrive whole within this many seconds of the
 #: connection opening or of the previous response; data trickling in does not

@@ -12,8 +12,8 @@ Metrics and health over HTTP, for operators and probes.
 
 The server runs in the broker's process and reactor, so it must never take
 what the broker needs (see L{MetricsSite}): it holds at most
-L{defaults.METRICS_MAX_CONNECTIONS} connections and closes any other at
-accept; each request must arrive whole within
+L{defaults.METRICS_MAX_CONNECTIONS} connections, a newcomer at the cap
+evicting the oldest (L{MetricsServer}); each request must arrive whole within
 L{defaults.METRICS_REQUEST_TIMEOUT}; only C{GET} and C{HEAD} are served, and
 a request that announces a body is answered 413 before Twisted would buffer
 that body (in memory, or in a temporary file on disk); no request makes it

@@ -95,11 +95,13 @@ def expected_uid_for(directory: str) -> int:
 BASE_DESCRIPTORS = 48
 
 #: Descriptors reserved beyond one per active transaction: the broker's own
-#: plus every connection the metrics server may hold.  The metrics server
-#: closes a connection over L{defaults.METRICS_MAX_CONNECTIONS} at accept, so
-#: with the soft C{RLIMIT_NOFILE} at C{maxConnections + DESCRIPTOR_HEADROOM}
-#: (what L{ensure_descriptors} sets) no metrics client can take a descriptor
-#: a transaction needs.
+#: plus every connection the metrics server may hold
+#: (L{defaults.METRICS_MAX_CONNECTIONS}).  At its cap the metrics server
+#: evicts the oldest connection for a newcomer, and the evicted descriptor
+#: closes on the next reactor turn, so for that moment one accept batch more
+#: may be open (at most the listener's backlog, 50 by default): beyond this
+#: headroom, a metrics flood can make the broker's own accept meet EMFILE
+#: for a turn, which it backs off from and recovers (never a freeze).
 DESCRIPTOR_HEADROOM = BASE_DESCRIPTORS + defaults.METRICS_MAX_CONNECTIONS
 #: And, where clients can pass descriptors (no SO_PASSRIGHTS), room for one
 #: full SCM_RIGHTS message (and its margin) and for those waiting in the

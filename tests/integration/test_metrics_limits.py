@@ -38,6 +38,12 @@ BROKER_NOFILE = 1024
 FLOOD = 1100
 #: The documented cap (docs/operations.md; hostpid.defaults.METRICS_MAX_CONNECTIONS).
 METRICS_CAP = 16
+#: What may be open on top of the cap for a moment: a connection evicted to
+#: make room closes on the next reactor turn (MetricsServer's docstring), so
+#: one accept batch of evicted connections can still be closing.  A batch
+#: takes what the kernel queued: Twisted's TCP endpoints listen with a
+#: backlog of 50.
+CLOSING_AT_MOST = 50
 
 
 def free_port() -> int:
@@ -222,7 +228,7 @@ def test_idle_metrics_flood_cannot_take_the_brokers_descriptors(
             f"{BROKER_NOFILE}, {baseline} descriptors before the flood) and had closed "
             f"{closed} of them"
         )
-        assert 0 < held <= METRICS_CAP, f"{held} metrics connections held"
+        assert 0 < held <= METRICS_CAP + CLOSING_AT_MOST, f"{held} metrics connections held"
         assert healthy(port), "a probe evicts the oldest idle connection and is answered"
         metrics = http(port, b"GET /metrics HTTP/1.0\r\n\r\n").decode()
         stack.close()  # the attacker goes away
