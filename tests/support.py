@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
@@ -339,6 +339,31 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+@contextmanager
+def private_tmp(
+    report: str = "-", keep: Sequence[str | Path] = (), private_run: bool = False
+) -> Iterator[list[str]]:
+    """
+    The command prefix, ending in C{--}, that runs a command under
+    C{privatetmp.py}: in a private mount namespace whose C{/tmp} is a fresh
+    tmpfs (and C{/run} too with C{private_run}), C{keep} still visible at
+    their own paths, C{report} the descriptor for its report (C{-}: none).
+    The stage directory it mounts over is made here and removed afterwards.
+    """
+    require_root()
+    unshare = require_tool("unshare")
+    require_tool("mount")
+    options = [option for path in keep for option in ("--keep", str(path))]
+    if private_run:
+        options.append("--private-run")
+    stage = tempfile.mkdtemp(prefix="hostpid-privatetmp-", dir="/tmp")
+    try:
+        yield [unshare, "--mount", "--propagation", "private", sys.executable,
+               str(REPO / "tests" / "privatetmp.py"), stage, report, *options, "--"]
+    finally:
+        os.rmdir(stage)
+
+
 class DefaultLayout:
     """
     A private mount namespace whose C{/run} is an empty tmpfs and whose
@@ -350,15 +375,11 @@ class DefaultLayout:
     """
 
     def __init__(self) -> None:
-        require_root()
-        unshare = require_tool("unshare")
         self.nsenter = require_tool("nsenter")
-        require_tool("mount")
-        self.stage = tempfile.mkdtemp(prefix="hostpid-defaultlayout-", dir="/tmp")
+        self._private = ExitStack()
+        prefix = self._private.enter_context(private_tmp(private_run=True))
         self.holder = subprocess.Popen(
-            [unshare, "--mount", "--propagation", "private", sys.executable,
-             str(REPO / "tests" / "privatetmp.py"), self.stage, "-", "--private-run", "--",
-             "sh", "-c", "echo ready && exec cat"],
+            [*prefix, "sh", "-c", "echo ready && exec cat"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
         assert self.holder.stdout is not None
@@ -380,7 +401,7 @@ class DefaultLayout:
         assert self.holder.stdin is not None
         self.holder.stdin.close()
         self.holder.wait(WAIT_SECONDS)
-        os.rmdir(self.stage)
+        self._private.close()
 
     def __enter__(self) -> DefaultLayout:
         return self
@@ -398,17 +419,14 @@ def run_with_private_tmp(
     is never touched.  Returns the result and what C{/tmp/vgpulock} and
     C{/tmp/vgpulock/hostpid} were in that private C{/tmp} afterwards.
     """
-    require_root()
-    unshare = require_tool("unshare")
-    stage = tempfile.mkdtemp(prefix="hostpid-privatetmp-", dir="/tmp")
     read_end, write_end = os.pipe()
     try:
-        result = subprocess.run(
-            [unshare, "--mount", "--propagation", "private", sys.executable,
-             str(REPO / "tests" / "privatetmp.py"), stage, str(write_end), "--", *argv],
-            input=input, env=env if env is not None else subprocess_env(),
-            capture_output=True, timeout=60, check=False, pass_fds=(write_end,),
-        )
+        with private_tmp(str(write_end)) as prefix:
+            result = subprocess.run(
+                [*prefix, *argv],
+                input=input, env=env if env is not None else subprocess_env(),
+                capture_output=True, timeout=60, check=False, pass_fds=(write_end,),
+            )
         os.close(write_end)
         write_end = -1
         with os.fdopen(read_end, "rb") as report:
@@ -418,7 +436,6 @@ def run_with_private_tmp(
         for fd in (read_end, write_end):
             if fd >= 0:
                 os.close(fd)
-        os.rmdir(stage)
     import json
 
     return result, json.loads(text) if text else {}

@@ -36,7 +36,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,8 +46,7 @@ from support import (
     REPO,
     WAIT_SECONDS,
     ask_pid,
-    require_root,
-    require_tool,
+    private_tmp,
     subprocess_env,
     wait_for,
 )
@@ -156,22 +154,8 @@ def environment(scratch: Path) -> dict[str, str]:
     return env
 
 
-@pytest.fixture
-def private_paths() -> Iterator[list[str]]:
-    """The prefix that runs a command with a private C{/tmp} and C{/run}."""
-    require_root()
-    unshare = require_tool("unshare")
-    require_tool("mount")
-    stage = tempfile.mkdtemp(prefix="hostpid-docexample-", dir="/tmp")
-    try:
-        yield [unshare, "--mount", "--propagation", "private", sys.executable,
-               str(REPO / "tests" / "privatetmp.py"), stage, "-", "--private-run"]
-    finally:
-        os.rmdir(stage)
-
-
 @pytest.mark.parametrize("block", runnable(), ids=lambda block: block.where)
-def test_example_runs_as_written(block: Block, tmp_path: Path, private_paths: list[str]) -> None:
+def test_example_runs_as_written(block: Block, tmp_path: Path) -> None:
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     if RUNNABLE[block.language] == "shell":
@@ -180,11 +164,12 @@ def test_example_runs_as_written(block: Block, tmp_path: Path, private_paths: li
         script = scratch / "example.py"
         script.write_text(block.code)
         argv = [sys.executable, str(script)]
-    done = subprocess.run(
-        [*private_paths, "--keep", str(scratch), "--", *argv],
-        cwd=scratch, env=environment(scratch), capture_output=True, text=True,
-        timeout=EXAMPLE_TIMEOUT, stdin=subprocess.DEVNULL,
-    )
+    with private_tmp(keep=[scratch], private_run=True) as prefix:
+        done = subprocess.run(
+            [*prefix, *argv],
+            cwd=scratch, env=environment(scratch), capture_output=True, text=True,
+            timeout=EXAMPLE_TIMEOUT, stdin=subprocess.DEVNULL,
+        )
     assert done.returncode == 0, (
         f"{block.where} exited {done.returncode}\n--- stdout\n{done.stdout}"
         f"--- stderr\n{done.stderr}"

@@ -52,11 +52,6 @@ class ArrivalDeadlines(Generic[T]):
         if self._expires.pop(item, None) is not None and not self._expires:
             self._cancel()
 
-    def stopAll(self) -> None:
-        """Forget everything, with no call of C{expired}."""
-        self._expires.clear()
-        self._cancel()
-
     def _cancel(self) -> None:
         call, self._call = self._call, None
         if call is not None and call.active():
