@@ -30,3 +30,38 @@ def lingering(linger):
     keep.append(listener)
     return sock
 '''
+
+#: An idle flood: N silent connections to argv[1]; with argv[3] ==
+#: "reconnect" each one the broker closes is opened again at once (a blocking
+#: connect: it waits for room in the listen backlog).  It prints "ready" once
+#: N are open and runs until killed.  Standard library only.
+IDLE_FLOOD = r"""
+import selectors, socket, sys
+path, n, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+selector = selectors.DefaultSelector()
+def open_one():
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(path)
+        except BlockingIOError:
+            sock.close()
+            continue
+        sock.setblocking(False)
+        selector.register(sock, selectors.EVENT_READ)
+        return
+for _ in range(n):
+    open_one()
+print("ready", flush=True)
+while True:
+    for key, _ in selector.select():
+        try:
+            data = key.fileobj.recv(64)
+        except ConnectionError:
+            data = b""
+        if not data:
+            selector.unregister(key.fileobj)
+            key.fileobj.close()
+            if mode == "reconnect":
+                open_one()
+"""

@@ -19,13 +19,14 @@ umask that yields 0666 directly, records the socket's identity, removes the
 path on close only if that identity still matches, backs off on resource
 errors (5 ms doubling to 1 s, then recovers by itself), treats any other
 accept error as fatal to the broker, and gives every accepted connection to
-the factory's fast path before building a protocol for it.
+the factory's fast path, and what that does not answer to the waiting room
+(L{hostpid.broker.waiting}), with no Twisted transport.
 
 It also decides how descriptors passed by clients are met (see
 L{hostpid.broker.descriptors}): refused by the kernel through
-C{SO_PASSRIGHTS} on the listener, or, where the kernel lacks it, received by
-L{ReceivingServer} on the general path and by the factory's receiving fast
-path.
+C{SO_PASSRIGHTS} on the listener, or, where the kernel lacks it, received
+through L{PassedDescriptors} on the general path and by the factory's
+receiving fast path.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from twisted.internet import main, tcp, unix
-from twisted.internet.address import UNIXAddress
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -58,6 +58,7 @@ from hostpid.broker.fsrules import (
     remove_socket_if_ours,
 )
 from hostpid.broker.server import BrokerFactory
+from hostpid.broker.waiting import WaitingRoom
 
 #: Accept errors that mean "out of a resource for now": back off and retry.
 RESOURCE_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
@@ -66,10 +67,6 @@ CONNECTION_ERRORS = frozenset({errno.ECONNABORTED, errno.EPERM, errno.EPROTO, er
 
 BACKOFF_INITIAL = 0.005
 BACKOFF_MAX = 1.0
-
-#: What the factory is told about every peer: a client's Unix socket is
-#: normally unnamed, and the broker identifies callers by SO_PEERCRED only.
-_PEER_ADDRESS = UNIXAddress(None)
 
 #: Connections accepted per reactor turn at most, so that timers and other
 #: sockets are served even under a flood.
@@ -158,6 +155,8 @@ class BrokerPort(unix.Port):
         self._clock: IReactorTime = reactor
         self._expectedUid = os.geteuid() if expectedUid is None else expectedUid
         self.identity: SocketIdentity | None = None
+        #: The connections still waiting for their request (the general path).
+        self.room = WaitingRoom(factory, reactor)
         self._backoff = BACKOFF_INITIAL
         self._acceptsPerTurn = 1
         self._resume: IDelayedCall | None = None
@@ -213,7 +212,6 @@ class BrokerPort(unix.Port):
             self.factory.receiveDescriptors(
                 PassedDescriptors(connections=lambda: factory.active, reactor=self.reactor)
             )
-            self.transport = ReceivingServer
         skt.listen(self.backlog)
         self.factory.doStart()
         self.connected = True
@@ -251,6 +249,7 @@ class BrokerPort(unix.Port):
     def _acceptBatch(self, factory: BrokerFactory) -> None:
         """One turn's accepts (see L{doRead})."""
         accept = self.socket._accept  # type: ignore[union-attr]
+        admit = self.room.admit
         turn = self._acceptsPerTurn
         accepted = 0
         for _ in range(turn):
@@ -271,22 +270,8 @@ class BrokerPort(unix.Port):
             self._backoff = BACKOFF_INITIAL
             skt = _socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, 0, fd)
             prefix = factory.answerWaiting(skt)
-            if prefix is None:
-                continue
-            protocol = factory.buildProtocol(_PEER_ADDRESS)
-            if protocol is None:
-                if factory.passed is not None:
-                    # Over the limit, maybe part-read: its queue may hold descriptors.
-                    factory.passed.release(skt)
-                else:
-                    skt.close()
-                continue
-            session = self.sessionno
-            self.sessionno = session + 1
-            transport = self.transport(skt, protocol, addr, self, session, self.reactor)
-            protocol.makeConnection(transport)
-            if prefix:
-                protocol.dataReceived(prefix)
+            if prefix is not None:
+                admit(skt, prefix)
         self._acceptsPerTurn = min(turn * 2, ACCEPTS_PER_TURN)
 
     def _pauseAccepting(self, error: OSError) -> None:

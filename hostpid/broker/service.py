@@ -184,6 +184,7 @@ class BrokerService(Service):
         prepareNode: Callable[[bool], None] | None = None,
         lockParent: str = defaults.LOCK_PARENT,
         receiveDescriptors: bool | None = None,
+        maxPerPeer: int | None = None,
     ) -> None:
         """
         @param prepareNode: what the node side needs ready at every start,
@@ -199,6 +200,9 @@ class BrokerService(Service):
             having the kernel refuse them (C{SO_PASSRIGHTS}), as a kernel
             without that option forces; for tests.  C{None}: as
             L{RECEIVE_DESCRIPTORS_ENV} in C{environ} says (default off).
+        @param maxPerPeer: waiting connections one peer may hold (see
+            L{hostpid.broker.waiting}); C{None}: the factory's default, a
+            sixteenth of C{maxConnections}.
         """
         if reactor is None:
             from twisted.internet import reactor as _reactor
@@ -207,6 +211,7 @@ class BrokerService(Service):
         self.directory = directory
         self.socketPath = os.path.join(directory, defaults.SOCKET_NAME)
         self.maxConnections = maxConnections
+        self.maxPerPeer = maxPerPeer
         self.deadline = deadline
         self.reactor = reactor
         self.enabled = gate_enabled(environ)
@@ -323,7 +328,8 @@ class BrokerService(Service):
         if state is fsrules.SocketPathState.STALE_REMOVED:
             self.log.info("hostpid-broker: stale socket removed: {path}", path=self.socketPath)
         self.factory = BrokerFactory(
-            self.reactor, self.deadline, self.maxConnections, self.identifier
+            self.reactor, self.deadline, self.maxConnections, self.identifier,
+            maxPerPeer=self.maxPerPeer,
         )
         self.port = BrokerPort(
             self.socketPath,
@@ -349,8 +355,9 @@ class BrokerService(Service):
             )
         self.log.info(
             "hostpid-broker: listening on {path} (max {maxConnections} active, "
-            "deadline {deadline}s)",
-            path=self.socketPath, maxConnections=self.maxConnections, deadline=self.deadline,
+            "{maxPerPeer} waiting per peer, deadline {deadline}s)",
+            path=self.socketPath, maxConnections=self.maxConnections,
+            maxPerPeer=self.factory.maxPerPeer, deadline=self.deadline,
         )
         self._watch = LoopingCall(self.checkSocketPath)
         self._watch.clock = self.reactor

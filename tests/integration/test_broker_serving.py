@@ -188,11 +188,14 @@ def test_full_slots_evict_the_oldest_and_broker_recovers(public_tmp: Path) -> No
     has not sent its request when accepted takes the slot of the oldest, which
     is closed at once with no reply; the fifth then sends and is answered.
     (The rule before issue 12 closed the fifth instead.)  Once the silent
-    ones go, the broker serves as before.
+    ones go, the broker serves as before.  All five are this process's,
+    with no bound of their own (C{--max-waiting-per-peer} above the limit): the rule between peers
+    is tested in C{test_waiting.py} and C{test_attack_many_tenants.py}.
     """
     deadline = 30.0
     with running_broker(
-        public_tmp / "broker", "--max-connections", "4", "--deadline", str(deadline)
+        public_tmp / "broker", "--max-connections", "4", "--max-waiting-per-peer", "1000",
+        "--deadline", str(deadline),
     ) as broker:
         silent = [connect(broker.socket_path, timeout=WAIT_SECONDS) for _ in range(4)]
         try:
