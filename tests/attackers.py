@@ -65,3 +65,44 @@ while True:
             if mode == "reconnect":
                 open_one()
 """
+
+#: A reconnecting flood as fast as one process can make it (issue 19): N
+#: idle connections to argv[1], each reopened the moment the broker closes
+#: it, with non-blocking connects (one failing with EAGAIN, the backlog
+#: being full, is tried again a millisecond later), so a slot freed in the
+#: listen backlog is taken again at once.  Prints "ready" once N connects
+#: were tried, then "flooding" each time the broker has closed N of its
+#: connections; runs until killed.  Standard library only.
+RECONNECTING_FLOOD = r"""
+import select, socket, sys
+path, n = sys.argv[1], int(sys.argv[2])
+poller = select.epoll()
+held = {}
+retry = 0
+def open_one():
+    global retry
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+    try:
+        sock.connect(path)
+    except BlockingIOError:
+        sock.close()
+        retry += 1
+        return
+    held[sock.fileno()] = sock
+    poller.register(sock.fileno(), select.EPOLLIN)
+for _ in range(n):
+    open_one()
+print("ready", flush=True)
+closed = 0
+while True:
+    for fd, _ in poller.poll(0.001 if retry else -1, 512):
+        poller.unregister(fd)
+        held.pop(fd).close()
+        closed += 1
+        if closed % n == 0:
+            print("flooding", flush=True)
+        open_one()
+    pending, retry = retry, 0
+    for _ in range(pending):
+        open_one()
+"""

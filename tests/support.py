@@ -31,6 +31,19 @@ REQUIRE_PRIVILEGED = os.environ.get("HOSTPID_REQUIRE_PRIVILEGED") == "1"
 #: Used for every bounded wait: generous, since CI machines are shared.
 WAIT_SECONDS = 15.0
 
+#: Multiplies the time bounds that stand for a real client's own deadline,
+#: for runs under emulation (QEMU), where everything is several times slower.
+TIME_SCALE_ENV = "HOSTPID_TIME_SCALE"
+
+
+def time_scale() -> float:
+    """C{HOSTPID_TIME_SCALE} as a number (1 when unset or not a positive number)."""
+    try:
+        scale = float(os.environ.get(TIME_SCALE_ENV, "1"))
+    except ValueError:
+        return 1.0
+    return scale if scale > 0 else 1.0
+
 
 def skip_or_fail(reason: str) -> None:
     """

@@ -74,6 +74,7 @@ _REQUEST_SIZE = wire.REQUEST_SIZE
 _READ = 256
 _OK = Outcome.OK
 _SHORT = Outcome.SHORT
+_OVER_LIMIT = Outcome.OVER_LIMIT
 
 
 def peer_pid(sock: _socket.socket) -> int:
@@ -84,9 +85,10 @@ def peer_pid(sock: _socket.socket) -> int:
     itself is decided by L{hostpid.peercred.PeerIdentifier}.
     """
     try:
-        return int(sock.getsockopt(_SOL_SOCKET, _SO_PEERCRED))
+        pid: int = sock.getsockopt(_SOL_SOCKET, _SO_PEERCRED)
     except OSError:
         return -1
+    return pid
 
 
 @implementer(IReadDescriptor)
@@ -248,7 +250,12 @@ class WaitingRoom:
         peer = self._peerOf(sock)
         queues = self.queues
         if queues.count(peer) >= factory.maxPerPeer:
-            self._shed(sock)
+            # The common case under a flood: as cheap as it can be made.
+            if factory.passed is None:
+                sock.close()
+            else:
+                factory.passed.release(sock)
+            factory.record(_OVER_LIMIT)
             return None
         if factory.active >= factory.maxConnections:
             victim = queues.victim()
@@ -272,4 +279,4 @@ class WaitingRoom:
             factory.passed.release(sock)
         else:
             sock.close()
-        factory.record(Outcome.OVER_LIMIT)
+        factory.record(_OVER_LIMIT)
