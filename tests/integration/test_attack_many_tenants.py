@@ -5,10 +5,10 @@ Four real UID 1000 processes, spread over the machine's cores, each keep
 2,500 idle connections to the broker's socket and reconnect as soon as one
 is closed (non-blocking connects, as fast as each process can: a slot freed
 in the listen backlog is taken again at once); meanwhile real clients that
-behave like HAMi-core (the C contract client: a non-blocking connect retried with a 1 -> 10 ms backoff on
-C{EAGAIN}, one 8-byte write, one 0.5 s deadline over everything, each its
-own process) ask for their PID.  The broker runs with its production limits
-(512 slots, backlog 1024, deadline 0.5 s).
+behave like HAMi-core (the C contract client: a non-blocking connect retried
+with a 1 -> 10 ms backoff on C{EAGAIN}, one 8-byte write, one 0.5 s deadline
+over everything, each its own process) ask for their PID.  The broker runs
+with its production limits (512 slots, backlog 1024, deadline 0.5 s).
 
 Before issue 19 every attacker connection cost the broker a whole Twisted
 transport and could hold a slot until evicted; the backlog stayed full of
