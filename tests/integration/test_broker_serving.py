@@ -22,6 +22,7 @@ from support import (
     ask_pid,
     connect,
     exchange,
+    in_child,
     nspid,
     read_until_eof,
     require_root,
@@ -38,34 +39,6 @@ from hostpid import wire
 def broker(public_tmp: Path) -> Iterator[BrokerProcess]:
     with running_broker(public_tmp / "broker") as process:
         yield process
-
-
-def in_child(work, uid: int | None = None) -> tuple[int, int]:
-    """
-    Fork; in the child optionally become C{uid}, run C{work()} -> int and
-    report it.  No exec: the child is this very program, as a workload is.
-
-    @return: (child's PID, what C{work} returned; -1 on failure).
-    """
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - runs in the child
-        try:
-            os.close(read_end)
-            if uid is not None:
-                os.setgroups([])
-                os.setgid(uid)
-                os.setuid(uid)
-            result = work()
-            os.write(write_end, struct.pack("q", -1 if result is None else result))
-        finally:
-            os._exit(0)
-    os.close(write_end)
-    with os.fdopen(read_end, "rb") as reader:
-        data = reader.read()
-    os.waitpid(pid, 0)
-    assert len(data) == 8, "the child reported nothing"
-    return pid, struct.unpack("q", data)[0]
 
 
 def test_client_gets_its_own_pid(broker: BrokerProcess) -> None:
