@@ -383,3 +383,37 @@ def test_passed_descriptors_end_the_transaction_unanswered(clock) -> None:
         assert reply(otherClient) == wire.encode_ok(os.getpid())
     finally:
         tenants.close()
+
+
+def test_without_room_reads_go_on_and_meet_no_descriptor(clock) -> None:
+    """
+    No room in the descriptor table for a full message: a request is still
+    read (by peeking first) and answered; a message carrying a descriptor is
+    not read at all, and the connection ends unanswered (C{descriptors}).
+    """
+    factory, room, tenants = make_room(clock)
+    factory.receiveDescriptors(PassedDescriptors(
+        connections=lambda: factory.active, reactor=clock,
+        descriptorLimit=64, reserved=64,
+    ))
+    passed = factory.passed
+    assert passed is not None and not passed.hasRoom()
+    try:
+        connection, client = tenants.waiting()
+        client.sendall(REQUEST)
+        connection.doRead()
+        assert reply(client) == wire.encode_ok(os.getpid())
+        other, otherClient = tenants.waiting()
+        carried = os.open("/dev/null", os.O_RDONLY)
+        try:
+            otherClient.sendmsg([REQUEST], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                             array.array("i", [carried]))])
+        finally:
+            os.close(carried)
+        other.doRead()
+        assert other.finished
+        assert factory.counts[Outcome.DESCRIPTORS] == 1 and factory.counts[Outcome.OK] == 1
+        assert passed.received == 0, "nothing carrying a descriptor was read here"
+        assert passed.withoutRoom >= 2
+    finally:
+        tenants.close()

@@ -44,7 +44,10 @@ L{WaitingRoom} admits them, by the rule of L{hostpid.broker.fairness}:
     otherwise idle peer keeps its slot while any peer holds two or more.
 
 Where clients can pass descriptors (mode I{received}), every read and close
-goes through L{PassedDescriptors}, as on the fast path.
+goes through L{PassedDescriptors}, as on the fast path: with room in the
+descriptor table a read takes any message (descriptors are disposed of);
+without it, only bytes that carry none (L{PassedDescriptors.receiveWithoutRoom}),
+so reads slow down but never stop.
 """
 
 from __future__ import annotations
@@ -126,14 +129,13 @@ class WaitingConnection:
             if passed is None:
                 data = self.socket.recv(_READ, _RECV_FLAGS)
             else:
-                if not passed.hasRoom():
-                    # A read now could overflow the descriptor table (and the
-                    # kernel would release what does not fit here): read again
-                    # once the closer has freed room.  The deadline runs on.
-                    self._room.reactor.removeReader(self)
-                    passed.waitForRoom(self._resume)
-                    return
-                data, carried = passed.receive(self.socket, _READ)
+                if passed.hasRoom():
+                    data, carried = passed.receive(self.socket, _READ)
+                else:
+                    # A read now could overflow the descriptor table, and the
+                    # kernel would release what does not fit here: read only
+                    # what carries no descriptor (slower, never stopped).
+                    data, carried = passed.receiveWithoutRoom(self.socket, _READ)
                 if carried:
                     self.finish(Outcome.DESCRIPTORS)
                     return
@@ -160,10 +162,6 @@ class WaitingConnection:
             except OSError:
                 pass
         self.finish(outcome)
-
-    def _resume(self) -> None:
-        if not self.finished:
-            self._room.reactor.addReader(self)
 
     def connectionLost(self, reason: Failure | None = None) -> None:
         """The reactor is letting go of us (it is shutting down)."""
