@@ -14,6 +14,7 @@ import pytest
 from twisted.logger import Logger
 
 from hostpid.peercred import (
+    LivenessCheck,
     PeerCredentialsFailed,
     PeerGone,
     PeerIdentifier,
@@ -107,7 +108,7 @@ def test_without_pidfd_the_exited_peer_would_be_answered(tmp_path: Path) -> None
     """The control: SO_PEERCRED alone still reports the dead client's PID."""
     connection = accepted_from_exited_child(tmp_path / "s")
     with connection:
-        assert PeerIdentifier(usePidfd=False).host_pid(connection) > 0
+        assert PeerIdentifier(check=LivenessCheck.NONE).host_pid(connection) > 0
 
 
 def test_closed_socket_is_a_credentials_failure(pair) -> None:

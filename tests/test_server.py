@@ -196,7 +196,7 @@ class RecordingIdentifier(PeerIdentifier):
         self.result = result
         self.asked = 0
 
-    def host_pid(self, sock: socket.socket) -> int:
+    def host_pid(self, sock: socket.socket, accepted: int = 0) -> int:
         self.asked += 1
         if isinstance(self.result, Exception):
             raise self.result
