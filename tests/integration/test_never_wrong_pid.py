@@ -28,6 +28,30 @@ from support import (
 )
 
 from hostpid import wire
+from hostpid.broker.service import LIVENESS_ENV
+from hostpid.peercred import LivenessCheck
+
+#: The liveness checks every answering test here runs with: whatever this
+#: kernel offers (SO_PEERPIDFD from Linux 6.5, pidfd_open before), and the
+#: pidfd_open check forced, so that the older kernels' path runs on this one.
+LIVENESS = [
+    pytest.param(None, id="kernel"),
+    pytest.param(LivenessCheck.PIDFD_OPEN, id="pidfd_open"),
+]
+
+
+@pytest.fixture(params=LIVENESS)
+def liveness(request: pytest.FixtureRequest) -> dict[str, str]:
+    """The broker's environment for the liveness check under test."""
+    check: LivenessCheck | None = request.param
+    return {} if check is None else {LIVENESS_ENV: check.value}
+
+
+def assert_check_in_force(broker: BrokerProcess, liveness: dict[str, str]) -> None:
+    """A forced check says so in the broker's log (so the test is not vacuous)."""
+    if liveness:
+        line = f"liveness check forced to {liveness[LIVENESS_ENV]} by {LIVENESS_ENV}"
+        wait_for(lambda: line in broker.output(), "the broker to log the forced check")
 
 
 def in_new_pid_namespace() -> list[str]:
@@ -59,7 +83,9 @@ def test_override_is_refused_with_the_default_directory(directory: str | None) -
     assert "--allow-non-host-pid-namespace is refused with the default broker directory" in output
 
 
-def test_with_the_override_it_serves_pids_of_its_own_namespace(public_tmp: Path) -> None:
+def test_with_the_override_it_serves_pids_of_its_own_namespace(
+    public_tmp: Path, liveness: dict[str, str]
+) -> None:
     """
     The unsafe override, proven to do what the documentation warns: a client
     in the broker's namespace is told its PID *in that namespace*, and a
@@ -70,9 +96,11 @@ def test_with_the_override_it_serves_pids_of_its_own_namespace(public_tmp: Path)
         public_tmp / "broker",
         ["--allow-non-host-pid-namespace"],
         argv_prefix=in_new_pid_namespace(),
+        env=liveness,
     ) as broker:
         wait_for(lambda: "listening on" in broker.output(), "the broker to listen")
         assert "NOT host PIDs" in broker.output()
+        assert_check_in_force(broker, liveness)
         assert ask_pid(broker.socket_path) is None, "a host client is not visible: no reply"
 
         twistd_pid = int(Path(f"/proc/{broker.pid}/task/{broker.pid}/children").read_text())
@@ -95,13 +123,18 @@ def test_with_the_override_it_serves_pids_of_its_own_namespace(public_tmp: Path)
         broker.wait_exit()
 
 
-def test_caller_that_exited_after_connecting_gets_no_reply(public_tmp: Path) -> None:
+def test_caller_that_exited_after_connecting_gets_no_reply(
+    public_tmp: Path, liveness: dict[str, str]
+) -> None:
     """
     The process that connects hands the connection to a forked child and
     exits; once it is reaped, its PID may name anyone.  The child sends the
-    request: the broker (SO_PEERPIDFD on this kernel) closes with no reply.
+    request: the broker closes with no reply, whether it checks with
+    SO_PEERPIDFD or (kernels before 6.5) with pidfd_open; SO_PEERCRED alone
+    would answer with the exited caller's PID.
     """
-    with running_broker(public_tmp / "broker", "--deadline", "10") as broker:
+    with running_broker(public_tmp / "broker", "--deadline", "10", env=liveness) as broker:
+        assert_check_in_force(broker, liveness)
         go_read, go_write = os.pipe()
         result_read, result_write = os.pipe()
         connector = os.fork()
