@@ -38,7 +38,7 @@ from collections.abc import Callable
 import attrs
 from twisted.logger import Logger
 
-from hostpid.starttime import boottime_ns, proc_shows_own_namespace, started_after
+from hostpid.starttime import TICK_NS, boottime_ns, proc_shows_own_namespace, started_after
 
 _UCRED = struct.Struct("3i")
 _SOL_SOCKET = int(socket.SOL_SOCKET)
@@ -294,8 +294,8 @@ class PeerIdentifier:
     def host_pid(self, sock: _socket.socket, accepted: int = 0) -> int:
         """
         @param accepted: when C{sock} was accepted (L{boottime_ns}), if
-            known; C{0} takes the time of the check itself, later than the
-            accept and so a weaker rule.
+            known; C{0} (unknown) leaves only the C{pidfd_open} lookup and
+            the liveness question, with no start-time rule.
         @raise PeerCredentialsFailed: no credentials, or PID not positive.
         @raise PeerGone: the connecting process is no longer there.
         """
@@ -357,9 +357,15 @@ class PeerIdentifier:
                 raise PeerGone(f"connected as PID {pid}, since exited") from None
             raise PeerCredentialsFailed(f"pidfd_open: {e.strerror}") from None
         try:
-            if self.startTimes:
+            # A process pidfd_open found had started by now (its start is
+            # stamped before its PID is attached).  While now is still in
+            # the accept's clock tick, its start tick cannot be later than
+            # the accept's, so the rule cannot refuse it and /proc is not
+            # read: the usual case on the fast path, which checks within
+            # microseconds of the accept.
+            if self.startTimes and accepted and boottime_ns() // TICK_NS != accepted // TICK_NS:
                 try:
-                    late = started_after(pid, accepted or boottime_ns())
+                    late = started_after(pid, accepted)
                 except ProcessLookupError:
                     raise PeerGone(f"connected as PID {pid}, since exited") from None
                 if late:
