@@ -33,6 +33,19 @@ def _host_lock_parent_state() -> tuple[int, ...] | None:
     return (st.st_mode, st.st_uid, st.st_gid, st.st_dev, st.st_ino, st.st_mtime_ns)
 
 
+#: The lock parent's state when the last test ended, and that test's ID:
+#: what the next test must find, so a change made between two tests (a
+#: module or session fixture's setup or teardown) is caught and placed too.
+_last_seen: tuple[tuple[int, ...] | None, str] | None = None
+
+
+def _describe(state: tuple[int, ...] | None) -> str:
+    if state is None:
+        return "absent"
+    mode, uid, gid, dev, ino, mtime_ns = state
+    return f"mode {mode:o} uid {uid} gid {gid} dev {dev} ino {ino} mtime_ns {mtime_ns}"
+
+
 @pytest.fixture(scope="session", autouse=True)
 def host_lock_parent_untouched() -> Iterator[None]:
     """
@@ -41,14 +54,41 @@ def host_lock_parent_untouched() -> Iterator[None]:
     mtime that any entry created or removed in it changes.  Tests of the
     default paths run in a private mount namespace with their own C{/tmp}
     (L{support.run_with_private_tmp}); a test that reaches the real one is a
-    bug on the machine that runs the suite.
+    bug on the machine that runs the suite.  L{host_lock_parent_untouched_by_test}
+    names the test; this catches what happens after the last one.
     """
     before = _host_lock_parent_state()
     yield
     after = _host_lock_parent_state()
     assert after == before, (
-        f"the host's {HOST_LOCK_PARENT} changed while the suite ran "
-        f"(mode, uid, gid, dev, ino, mtime_ns): {before} -> {after}"
+        f"the host's {HOST_LOCK_PARENT} changed while the suite ran: "
+        f"{_describe(before)} -> {_describe(after)}"
+    )
+
+
+@pytest.fixture(autouse=True)
+def host_lock_parent_untouched_by_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """
+    The same check around each test (issue 18: a change seen only at the end
+    of a run could not be placed): one C{lstat} before and one after, and a
+    failure that names the test that changed it, or the two tests between
+    which it changed (a fixture of a wider scope).
+    """
+    global _last_seen
+    test = request.node.nodeid
+    before = _host_lock_parent_state()
+    if _last_seen is not None and _last_seen[0] != before:
+        previous, _last_seen = _last_seen, (before, test)
+        pytest.fail(
+            f"the host's {HOST_LOCK_PARENT} changed between {previous[1]} and {test} "
+            f"(a fixture's setup or teardown): {_describe(previous[0])} -> {_describe(before)}"
+        )
+    yield
+    after = _host_lock_parent_state()
+    _last_seen = (after, test)
+    assert after == before, (
+        f"{test} changed the host's {HOST_LOCK_PARENT}: "
+        f"{_describe(before)} -> {_describe(after)}"
     )
 
 
