@@ -60,8 +60,11 @@ def host_lock_parent_untouched() -> Iterator[None]:
     before = _host_lock_parent_state()
     yield
     after = _host_lock_parent_state()
+    where = ""
+    if _last_seen is not None and _last_seen[0] != after:
+        where = f", after the last test, {_last_seen[1]} (a fixture's teardown)"
     assert after == before, (
-        f"the host's {HOST_LOCK_PARENT} changed while the suite ran: "
+        f"the host's {HOST_LOCK_PARENT} changed while the suite ran{where}: "
         f"{_describe(before)} -> {_describe(after)}"
     )
 
