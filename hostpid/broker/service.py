@@ -370,10 +370,13 @@ class BrokerService(Service):
         if self.livenessForced and identifier.check is not None:
             self.log.warn(
                 "hostpid-broker: liveness check forced to {check} by {env} "
-                "(SO_PEERPIDFD not used even if the kernel has it){refused}",
+                "(SO_PEERPIDFD not used even if the kernel has it){refused}{procNote}",
                 check=identifier.check.value, env=LIVENESS_ENV,
                 refused=f"; pidfd_open refused: {identifier.pidfdOpenRefused}"
                 if identifier.pidfdOpenRefused is not None else "",
+                procNote="" if identifier.startTimes else (
+                    "; /proc is not this PID namespace's, so start times are not compared"
+                ),
             )
         self.log.info(
             "hostpid-broker: listening on {path} (max {maxConnections} active, "
