@@ -11,6 +11,7 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,6 +47,26 @@ def _describe(state: tuple[int, ...] | None) -> str:
     return f"mode {mode:o} uid {uid} gid {gid} dev {dev} ino {ino} mtime_ns {mtime_ns}"
 
 
+def _entries() -> str:
+    """
+    What the lock parent holds now, each entry with its owner, mode and
+    change time (only on failure): a change time outside the test's own
+    time points at a background process left by an earlier test.
+    """
+    try:
+        names = sorted(os.listdir(HOST_LOCK_PARENT))
+    except OSError as e:
+        return f"(cannot list: {e.strerror})"
+    shown = []
+    for name in names:
+        try:
+            st = os.lstat(os.path.join(HOST_LOCK_PARENT, name))
+        except OSError:
+            continue
+        shown.append(f"{name} (mode {st.st_mode:o} uid {st.st_uid} ctime_ns {st.st_ctime_ns})")
+    return "; ".join(shown) or "(empty)"
+
+
 @pytest.fixture(scope="session", autouse=True)
 def host_lock_parent_untouched() -> Iterator[None]:
     """
@@ -65,7 +86,7 @@ def host_lock_parent_untouched() -> Iterator[None]:
         where = f", after the last test, {_last_seen[1]} (a fixture's teardown)"
     assert after == before, (
         f"the host's {HOST_LOCK_PARENT} changed while the suite ran{where}: "
-        f"{_describe(before)} -> {_describe(after)}"
+        f"{_describe(before)} -> {_describe(after)}; it holds {_entries()}"
     )
 
 
@@ -84,14 +105,17 @@ def host_lock_parent_untouched_by_test(request: pytest.FixtureRequest) -> Iterat
         previous, _last_seen = _last_seen, (before, test)
         pytest.fail(
             f"the host's {HOST_LOCK_PARENT} changed between {previous[1]} and {test} "
-            f"(a fixture's setup or teardown): {_describe(previous[0])} -> {_describe(before)}"
+            f"(a fixture's setup or teardown): {_describe(previous[0])} -> {_describe(before)}; "
+            f"it holds {_entries()}"
         )
+    started = time.time_ns()
     yield
     after = _host_lock_parent_state()
     _last_seen = (after, test)
     assert after == before, (
         f"{test} changed the host's {HOST_LOCK_PARENT}: "
-        f"{_describe(before)} -> {_describe(after)}"
+        f"{_describe(before)} -> {_describe(after)}; it holds {_entries()}; "
+        f"the test ran from {started} to {time.time_ns()} (ns)"
     )
 
 
