@@ -309,25 +309,25 @@ class PeerIdentifier:
         if pid <= 0:
             raise PeerCredentialsFailed(f"PID {pid} (peer outside this PID namespace)")
         check = self.check
-        if check is not _PEERPIDFD:
-            if check is _PIDFD_OPEN:
-                return self._byPidfdOpen(pid, accepted)
-            if check is _NONE:
-                return pid
-        try:
-            pidfd = self._peerPidfd(sock)
-        except OSError as e:
-            if e.errno in PEERPIDFD_GONE:
-                # Only a kernel that knows the option says this (6.5-6.15).
-                if check is None:
-                    self._settle(_PEERPIDFD)
-                raise PeerGone(f"connected as PID {pid}, since exited and reaped") from None
-            if e.errno != errno.ENOPROTOOPT:
-                raise PeerCredentialsFailed(f"SO_PEERPIDFD: {e.strerror}") from None
-            self._noPeerPidfd()
-            return self.host_pid(sock, accepted)
-        if check is None:
-            self._settle(_PEERPIDFD)
+        if check is _PEERPIDFD or check is None:
+            try:
+                pidfd = self._peerPidfd(sock)
+            except OSError as e:
+                if e.errno in PEERPIDFD_GONE:
+                    # Only a kernel that knows the option says this (6.5-6.15).
+                    if check is None:
+                        self._settle(_PEERPIDFD)
+                    raise PeerGone(f"connected as PID {pid}, since exited and reaped") from None
+                if e.errno != errno.ENOPROTOOPT:
+                    raise PeerCredentialsFailed(f"SO_PEERPIDFD: {e.strerror}") from None
+                self._noPeerPidfd()
+                return self.host_pid(sock, accepted)
+            if check is None:
+                self._settle(_PEERPIDFD)
+        elif check is _PIDFD_OPEN:
+            pidfd = self._openStartedBefore(pid, accepted)
+        else:
+            return pid
         try:
             if self.signalCheck:
                 if pidfd_alive(pidfd):
@@ -342,13 +342,16 @@ class PeerIdentifier:
             raise PeerGone(f"connected as PID {pid}, now {current}")
         return pid
 
-    def _byPidfdOpen(self, pid: int, accepted: int) -> int:
+    def _openStartedBefore(self, pid: int, accepted: int) -> int:
         """
-        L{LivenessCheck.PIDFD_OPEN}: a pidfd for whatever process C{pid}
-        names now; its start time read and compared with the accept; then
-        the liveness question asked of the pidfd.  If that process is still
-        alive after the read, C{pid} named it the whole time since
-        C{pidfd_open}, so the start time read was its own.
+        L{LivenessCheck.PIDFD_OPEN}'s first two steps: a pidfd for whatever
+        process C{pid} names now, refused if that process started after
+        C{accepted}.  L{host_pid} then asks the liveness question of the
+        pidfd: if its process is still alive after the start time was read,
+        C{pid} named it the whole time since C{pidfd_open}, so the start
+        time read was its own.
+
+        @return: the pidfd, which the caller closes.
         """
         try:
             pidfd = self._pidfdOpen(pid)
@@ -356,34 +359,29 @@ class PeerIdentifier:
             if e.errno in PIDFD_OPEN_GONE:
                 raise PeerGone(f"connected as PID {pid}, since exited") from None
             raise PeerCredentialsFailed(f"pidfd_open: {e.strerror}") from None
+        # A process pidfd_open found had started by now (its start is
+        # stamped before its PID is attached).  While now is still in the
+        # accept's clock tick, its start tick cannot be later than the
+        # accept's, so the rule cannot refuse it and /proc is not read: the
+        # usual case on the fast path, which checks within microseconds of
+        # the accept.
+        if not self.startTimes or not accepted or boottime_ns() // TICK_NS == accepted // TICK_NS:
+            return pidfd
         try:
-            # A process pidfd_open found had started by now (its start is
-            # stamped before its PID is attached).  While now is still in
-            # the accept's clock tick, its start tick cannot be later than
-            # the accept's, so the rule cannot refuse it and /proc is not
-            # read: the usual case on the fast path, which checks within
-            # microseconds of the accept.
-            if self.startTimes and accepted and boottime_ns() // TICK_NS != accepted // TICK_NS:
-                try:
-                    late = started_after(pid, accepted)
-                except ProcessLookupError:
-                    raise PeerGone(f"connected as PID {pid}, since exited") from None
-                if late:
-                    raise PeerGone(
-                        f"PID {pid} names a process started after the connection was accepted"
-                    )
-            if self.signalCheck:
-                if pidfd_alive(pidfd):
-                    return pid
-                raise PeerGone(f"connected as PID {pid}, since exited")
-            current = pidfd_current_pid(pidfd)
-        except OSError as e:
-            raise PeerCredentialsFailed(f"pidfd: {e.strerror}") from None
-        finally:
+            late = started_after(pid, accepted)
+        except ProcessLookupError:
             os.close(pidfd)
-        if current != pid:
-            raise PeerGone(f"connected as PID {pid}, now {current}")
-        return pid
+            raise PeerGone(f"connected as PID {pid}, since exited") from None
+        except OSError as e:
+            os.close(pidfd)
+            raise PeerCredentialsFailed(f"/proc/{pid}/stat: {e.strerror}") from None
+        except (ValueError, IndexError):
+            os.close(pidfd)
+            raise PeerCredentialsFailed(f"/proc/{pid}/stat: not understood") from None
+        if late:
+            os.close(pidfd)
+            raise PeerGone(f"PID {pid} names a process started after the connection was accepted")
+        return pidfd
 
 
 _PEERPIDFD = LivenessCheck.PEERPIDFD
