@@ -196,7 +196,7 @@ class RecordingIdentifier(PeerIdentifier):
         self.result = result
         self.asked = 0
 
-    def host_pid(self, sock: socket.socket) -> int:
+    def host_pid(self, sock: socket.socket, accepted: int = 0) -> int:
         self.asked += 1
         if isinstance(self.result, Exception):
             raise self.result
@@ -367,3 +367,54 @@ class TestFastPath:
         client.close()
         assert factory.answerWaiting(server) is None
         assert factory.counts[Outcome.SHORT] == 1
+
+
+class AcceptTimeIdentifier(RecordingIdentifier):
+    """Records the accept time each check was given; its accept clock is a counter."""
+
+    def __init__(self) -> None:
+        super().__init__(7)
+        self.readings = iter(range(1000, 2000))
+        self.acceptClock = lambda: next(self.readings)
+        self.accepted: list[int] = []
+
+    def host_pid(self, sock: socket.socket, accepted: int = 0) -> int:
+        self.accepted.append(accepted)
+        return super().host_pid(sock, accepted)
+
+
+def test_the_accept_time_is_read_at_connection_and_given_to_the_check(clock, pair) -> None:
+    """
+    The general path reads the identifier's accept clock when the
+    connection is made, not when the request completes (possibly much
+    later), and the check gets that reading.
+    """
+    identifier = AcceptTimeIdentifier()
+    factory = BrokerFactory(clock, deadline=DEADLINE, identifier=identifier)
+    protocol, transport = connect(factory, pair[0])
+    protocol.dataReceived(wire.GET_HOST_PID_REQUEST[:3])
+    clock.advance(DEADLINE / 2)
+    next(identifier.readings)  # time passes on the accept clock too
+    protocol.dataReceived(wire.GET_HOST_PID_REQUEST[3:])
+    assert transport.value() == wire.encode_ok(7)
+    assert identifier.accepted == [1000]
+
+
+def test_the_fast_path_reads_the_accept_time_before_the_request(pair) -> None:
+    identifier = AcceptTimeIdentifier()
+    factory = BrokerFactory(MemoryReactorClock(), deadline=DEADLINE, identifier=identifier)
+    pair[1].sendall(wire.GET_HOST_PID_REQUEST)
+    assert factory.answerWaiting(pair[0]) is None
+    assert pair[1].recv(64) == wire.encode_ok(7)
+    assert identifier.accepted == [1000]
+
+
+def test_no_accept_clock_no_reading(clock, pair) -> None:
+    """Where the check needs no accept time (SO_PEERPIDFD), none is read: 0 is passed."""
+    identifier = AcceptTimeIdentifier()
+    identifier.acceptClock = None
+    factory = BrokerFactory(clock, deadline=DEADLINE, identifier=identifier)
+    protocol, transport = connect(factory, pair[0])
+    protocol.dataReceived(wire.GET_HOST_PID_REQUEST)
+    assert transport.value() == wire.encode_ok(7)
+    assert identifier.accepted == [0]

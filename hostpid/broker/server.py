@@ -118,10 +118,12 @@ class LatencyHistogram:
 
 
 def answer(
-    request: bytes, sock: _socket.socket, identifier: PeerIdentifier
+    request: bytes, sock: _socket.socket, identifier: PeerIdentifier, accepted: int = 0
 ) -> tuple[Outcome, bytes | None]:
     """
-    Decide the reply to C{request} (exactly 8 bytes) arriving on C{sock}.
+    Decide the reply to C{request} (exactly 8 bytes) arriving on C{sock},
+    accepted at C{accepted} (the identifier's L{PeerIdentifier.acceptClock},
+    or 0 where it needs none).
 
     The peer is identified only after the request is known to be valid, and
     anything short of a verified, positive PID closes with no reply: the
@@ -134,7 +136,7 @@ def answer(
     if not wire.is_valid_request(request):
         return Outcome.INVALID, wire.INVALID_REQUEST_RESPONSE
     try:
-        pid = identifier.host_pid(sock)
+        pid = identifier.host_pid(sock, accepted)
     except PeerGone:
         return Outcome.PEER_GONE, None
     except PeerUnverified:
@@ -172,8 +174,14 @@ class BrokerProtocol(Protocol):
         self._finished = False
         self._holdsSlot = True
         self._started = 0.0
+        self._accepted = 0
 
     def connectionMade(self) -> None:
+        # Called as the port accepts the connection: the accept time the
+        # liveness check without SO_PEERPIDFD compares start times with.
+        acceptClock = self.factory.identifier.acceptClock
+        if acceptClock is not None:
+            self._accepted = acceptClock()
         self._started = self.factory.clock.seconds()
         self.factory.deadlines.start(self)
 
@@ -188,7 +196,10 @@ class BrokerProtocol(Protocol):
         request = self._buffer[: wire.REQUEST_SIZE]
         self._buffer = b""
         outcome, reply = answer(
-            request, self.transport.getHandle(), self.factory.identifier  # type: ignore[union-attr]
+            request,
+            self.transport.getHandle(),  # type: ignore[union-attr]
+            self.factory.identifier,
+            self._accepted,
         )
         self.factory.record(outcome, self._started)
         if reply is not None:
@@ -380,6 +391,8 @@ class BrokerFactory(Factory):
         socket: return C{None}.  Otherwise return the bytes read so far (maybe
         none) for the general path to continue from.  Never blocks.
         """
+        acceptClock = self.identifier.acceptClock
+        accepted = acceptClock() if acceptClock is not None else 0
         try:
             # Read a little more than the request: bytes after the 8th are
             # ignored, and swallowing them here means closing the socket does
@@ -398,7 +411,7 @@ class BrokerFactory(Factory):
             sock.close()
             self.record(Outcome.SHORT)
             return None
-        outcome, reply = answer(data[: wire.REQUEST_SIZE], sock, self.identifier)
+        outcome, reply = answer(data[: wire.REQUEST_SIZE], sock, self.identifier, accepted)
         if reply is not None:
             try:
                 sock.send(reply, _SEND_FLAGS)
@@ -436,6 +449,8 @@ class BrokerFactory(Factory):
         """
         passed = self.passed
         assert passed is not None
+        acceptClock = self.identifier.acceptClock
+        accepted = acceptClock() if acceptClock is not None else 0
         try:
             data = passed.readFirst(sock, _FAST_READ)
         except BlockingIOError:
@@ -454,7 +469,7 @@ class BrokerFactory(Factory):
             passed.release(sock)
             self.record(Outcome.SHORT)
             return None
-        outcome, reply = answer(data[: wire.REQUEST_SIZE], sock, self.identifier)
+        outcome, reply = answer(data[: wire.REQUEST_SIZE], sock, self.identifier, accepted)
         if reply is not None:
             try:
                 sock.send(reply, _SEND_FLAGS)

@@ -43,6 +43,7 @@ class CdiNode:
         self.podman = require_tool("podman")
         self.runc = require_tool("runc")
         unshare = require_tool("unshare")
+        sleep = os.path.realpath(require_tool("sleep"))
         self.nsenter = require_tool("nsenter")
         self._created: list[str] = []
         for directory in SPEC_DIRECTORIES:
@@ -54,12 +55,25 @@ class CdiNode:
             stdin=subprocess.DEVNULL,
         )
         ours = os.readlink("/proc/self/ns/mnt")
-        wait_for(lambda: self._namespace() not in (None, ours), "the private mount namespace")
+        # The namespace is new as soon as unshare(2) returns, but its mounts
+        # are still shared with ours (so with the host's) until unshare(1)
+        # has made them private, which it does before it execs sleep: a
+        # mount made inside before then would appear on the host as well.
+        wait_for(
+            lambda: self._namespace() not in (None, ours) and self._executable() == sleep,
+            "the private mount namespace",
+        )
         for directory in SPEC_DIRECTORIES:
             self.inside(["mount", "-t", "tmpfs", "-o", "mode=0755,size=1m", "tmpfs", directory])
         self.rootfs = make_rootfs(workdir)
         self.python = PythonLayout.of_this_process()
         self.runs: list[ContainerRun] = []
+
+    def _executable(self) -> str | None:
+        try:
+            return os.readlink(f"/proc/{self.holder.pid}/exe")
+        except OSError:
+            return None
 
     def _namespace(self) -> str | None:
         try:
