@@ -1091,6 +1091,14 @@ def test_unit_states_what_the_broker_needs() -> None:
     assert metrics_port(argv) is not None
     assert unit_environment()[GATE] == "1"
     assert unit_value("Restart") == "on-failure"
+    # Issue 19: a real share of a busy node's CPU (more than a default service's weight,
+    # 100, not so much that tenants could take system.slice's CPU through the broker),
+    # and no quota that would stall a burst.
+    assert 100 < int(unit_value("CPUWeight")) <= 500
+    assert -10 <= int(unit_value("Nice")) < 0
+    assert unit_values("CPUQuota") == []
+    # Nothing but the broker's own exit restarts it: no watchdog a flood could starve.
+    assert unit_values("WatchdogSec") == []
     # The broker directory: root's, 0711, kept across stops so workloads' bind mounts of
     # it stay valid.
     assert unit_value("RuntimeDirectory") == "hami/hostpid"
