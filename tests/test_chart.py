@@ -410,12 +410,16 @@ def test_the_schema_refuses_a_mistyped_value_before_rendering(case: str) -> None
 
 # --- rollout and rollback in chart terms (docs/rollout.md) -----------------------------
 
-#: helm install, helm upgrade --set hostPIDBroker.enabled=true, helm upgrade --set
-#: hostPIDBroker.enabled=false: the design's rollout step 3 and rollback step 1.
+#: docs/rollout.md: helm install --set image.repository=... --set
+#: hostPIDBroker.enabled=false, then helm upgrade --reuse-values --set
+#: hostPIDBroker.enabled=true (the design's rollout step 3), then the same with
+#: false (rollback step 1).  --reuse-values: each upgrade keeps the values before it.
+INSTALLED = sets("image.repository=registry.internal/hostpid/hostpid-broker",
+                 "hostPIDBroker.enabled=false")
 STEPS = {
-    "disabled (install)": (sets("hostPIDBroker.enabled=false"), 1, False),
-    "enabled (upgrade)": (sets("hostPIDBroker.enabled=true"), 2, True),
-    "rolled back (upgrade)": (sets("hostPIDBroker.enabled=false"), 3, True),
+    "disabled (install)": (INSTALLED, 1, False),
+    "enabled (upgrade)": (merge(INSTALLED, sets("hostPIDBroker.enabled=true")), 2, True),
+    "rolled back (upgrade)": (merge(INSTALLED, sets("hostPIDBroker.enabled=false")), 3, True),
 }
 
 
