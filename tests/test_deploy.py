@@ -39,6 +39,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -1042,6 +1043,44 @@ def test_daemonset_container_and_its_probes_as_root_without_capabilities(
     L{run_daemonset_container}.
     """
     run_daemonset_container(set_gate(daemonset(path), gate))
+
+
+def test_the_probes_fail_on_a_socket_that_listens_but_never_answers() -> None:
+    """
+    Readiness is the broker answering, not its socket listening (issue 19): a
+    root-owned socket at the broker's path that accepts connections into its
+    queue and never answers (what a stalled broker looks like from outside,
+    while its HTTP server may still say 200) fails both exec probes, each at
+    its own deadline and well inside its kubelet timeout.
+    """
+    container = broker_container(set_gate(daemonset(), "1"))
+    hostpid_script = Path(sys.executable).parent / "hostpid"
+    env = subprocess_env({var["name"]: var["value"] for var in container["env"]})
+    env["PATH"] = f"{hostpid_script.parent}{os.pathsep}{env.get('PATH', os.defpath)}"
+    with DefaultLayout() as layout:
+        directory = layout.seen_from_here(BROKER_DIRECTORY)
+        directory.mkdir(parents=True, mode=0o711)
+        directory.chmod(0o711)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:
+            silent.bind(str(directory / "broker.sock"))
+            os.chmod(directory / "broker.sock", 0o666)
+            silent.listen(64)
+            for kind, command in probe_commands(container).items():
+                deadline = exec_probe_deadline(container[kind])
+                assert deadline is not None
+                started = time.monotonic()
+                done = subprocess.run(
+                    [*layout.prefix, *command], env=env, capture_output=True, text=True,
+                    timeout=container[kind]["timeoutSeconds"] + WAIT_SECONDS,
+                    cwd=tempfile.gettempdir(),
+                )
+                took = time.monotonic() - started
+                assert done.returncode == 1, (kind, done.stdout)
+                assert done.stderr == (
+                    f"hostpid probe: deadline check failed: {BROKER_DIRECTORY}/broker.sock: "
+                    f"{deadline:g} s passed waiting for the reply (0 of 12 bytes)\n"
+                ), kind
+                assert deadline <= took < container[kind]["timeoutSeconds"], (kind, took)
 
 
 # --- the systemd unit ------------------------------------------------------------------
