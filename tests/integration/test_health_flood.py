@@ -14,11 +14,18 @@ The test reads the liveness probe from the shipped DaemonSet
 (C{deploy/kubernetes/20-daemonset.yaml}, the chart's default render) and runs
 it as the kubelet would, whatever its kind: an exec probe in the broker's
 mount namespace with the container's environment, or an HTTP GET of its path
-on the metrics port (the probe before this issue).  Each run has the 2 s
-timeout of the issue's measurement.  It also runs the old probe, C{GET
-/healthz} over the metrics port, under the same flood, and requires it to
-fail at least once: a flood too weak to hurt the old probe would prove
-nothing about the new one.
+on the metrics port (the probe before this issue), each run with the
+probe's own C{timeoutSeconds}, as the kubelet applies it.  It also runs the
+old probe, C{GET /healthz} over the metrics port with its 2 s timeout, under
+the same flood, and requires it to fail at least once: a flood too weak to
+hurt the old probe would prove nothing about the new one.
+
+How many exec runs also finished within 2 s is printed: usually all 20; on
+this shared 2-core machine at a load of 7 to 11, 18 or 19, because the
+attackers spinning at the probe's own priority slow its Python start-up
+(measured: 0.28 s quiet, 0.90 s under the flood; the transaction itself adds
+about 0.1 s either way).  On a node the attackers run in their own cgroups,
+and the probe in the broker's container with the broker's CPU share.
 """
 
 from __future__ import annotations
@@ -50,7 +57,8 @@ from test_deploy import BROKER_DIRECTORY, broker_container, daemonset, set_gate
 #: As the issue measured it.
 CONNECTIONS_PER_ATTACKER = 200
 PROBE_RUNS = 20
-PROBE_TIMEOUT = 2.0
+#: The old probe's timeoutSeconds, and the issue's measurement.
+HTTP_PROBE_TIMEOUT = 2.0
 ATTACKER_UID = 1000
 #: An attacker stops by itself after this long, whatever happens to the test.
 ATTACKER_SECONDS = 300
@@ -124,7 +132,7 @@ def _stop(process: subprocess.Popen[str]) -> None:
 
 def http_probe(port: int, path: str) -> bool:
     """The kubelet's httpGet: a status from 200 to 399 within the timeout passes."""
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=PROBE_TIMEOUT)
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=HTTP_PROBE_TIMEOUT)
     try:
         connection.request("GET", path, headers={"User-Agent": "kube-probe/1.33"})
         return 200 <= connection.getresponse().status < 400
@@ -134,12 +142,13 @@ def http_probe(port: int, path: str) -> bool:
         connection.close()
 
 
-def exec_probe(prefix: Sequence[str], command: Sequence[str], env: Mapping[str, str]) -> bool:
+def exec_probe(prefix: Sequence[str], command: Sequence[str], env: Mapping[str, str],
+               timeout: float) -> bool:
     """The kubelet's exec probe: exit status 0 within the timeout passes."""
     started = time.monotonic()
     try:
         done = subprocess.run([*prefix, *command], env=dict(env), capture_output=True,
-                              timeout=PROBE_TIMEOUT, cwd=tempfile.gettempdir())
+                              timeout=timeout, cwd=tempfile.gettempdir())
     except subprocess.TimeoutExpired:
         print(f"exec probe: timed out after {time.monotonic() - started:.2f} s")
         return False
@@ -155,7 +164,7 @@ def shipped_liveness(
     """One run of the DaemonSet's liveness probe, whatever its kind."""
     probe = container["livenessProbe"]
     if "exec" in probe:
-        return exec_probe(prefix, probe["exec"]["command"], env)
+        return exec_probe(prefix, probe["exec"]["command"], env, probe["timeoutSeconds"])
     assert probe["httpGet"]["port"] in ("metrics", 9394), probe
     return http_probe(port, probe["httpGet"]["path"])
 
@@ -176,8 +185,12 @@ def test_the_shipped_liveness_check_survives_a_metrics_port_flood(attacker_count
             broker.socket_path = layout.seen_from_here(f"{BROKER_DIRECTORY}/broker.sock")
             broker.wait_listening()
             wait_for(lambda: http_probe(port, "/healthz"), "the metrics server")
-            before = [shipped_liveness(container, layout.prefix, env, port) for _ in range(3)]
-            assert before == [True] * 3, "the liveness check passes without the attack"
+            before, quiet = [], []
+            for _ in range(5):
+                began = time.monotonic()
+                before.append(shipped_liveness(container, layout.prefix, env, port))
+                quiet.append(time.monotonic() - began)
+            assert before == [True] * 5, "the liveness check passes without the attack"
 
             with attackers(attacker_count, port) as flood:
                 shipped, old, seconds = [], [], []
@@ -189,9 +202,14 @@ def test_the_shipped_liveness_check_survives_a_metrics_port_flood(attacker_count
                     old.append(http_probe(port, "/healthz"))
                 elapsed = time.monotonic() - started
                 assert all(process.poll() is None for process in flood), "flooding throughout"
+            within = sum(ok and took <= HTTP_PROBE_TIMEOUT
+                         for ok, took in zip(shipped, seconds, strict=True))
+            print(f"without the flood, the shipped liveness check took {sorted(quiet)[2]:.2f} s "
+                  f"(median), {max(quiet):.2f} s at most")
             print(f"{attacker_count} attacker(s) x {CONNECTIONS_PER_ATTACKER} connections, "
                   f"{elapsed:.1f} s: shipped liveness {sum(shipped)}/{PROBE_RUNS} (median "
-                  f"{sorted(seconds)[PROBE_RUNS // 2]:.2f} s, slowest {max(seconds):.2f} s), "
+                  f"{sorted(seconds)[PROBE_RUNS // 2]:.2f} s, slowest {max(seconds):.2f} s, "
+                  f"{within} within 2 s), "
                   f"GET /healthz over the metrics port {sum(old)}/{PROBE_RUNS}")
             assert sum(old) < PROBE_RUNS, "the flood hurts the old probe (else it proves nothing)"
             assert shipped == [True] * PROBE_RUNS, (
