@@ -273,6 +273,11 @@ def test_values_reach_the_broker_as_options() -> None:
     assert container["livenessProbe"]["exec"]["command"][2].endswith("--timeout 5")
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
     assert mounts == {BROKER_DIRECTORY, "/etc/cdi", "/var/tmp"}
+    # The broker's own bound, from a values file (where Helm reads numbers as floats,
+    # which its templates would print as 1.048576e+06).
+    largest = render(helm.values_from_yaml("broker:\n  maxConnections: 1048576\n"))
+    argv = container_argv(broker_container(by_kind(largest, "DaemonSet")))
+    assert option_value(argv, "--max-connections") == "1048576"
     ipv6 = broker_container(by_kind(render(RENDERS["IPv6 metrics"]), "DaemonSet"))
     assert option_value(container_argv(ipv6), "--metrics") == r"tcp6:9500:interface=\:\:"
 
