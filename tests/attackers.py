@@ -30,3 +30,44 @@ def lingering(linger):
     keep.append(listener)
     return sock
 '''
+
+#: Defines C{nested(linger, how)} (with L{LINGERING_SOCKET}'s pieces): a Unix
+#: socket whose receive queue holds a lingering TCP socket, so that whoever
+#: drops the outer socket's last reference waits in C{tcp_close} too.  C{how}:
+#: C{"nested"} (Unix -> TCP), C{"double"} (Unix -> Unix -> TCP) or
+#: C{"garbage"} (a Unix socket carrying itself and the TCP socket: garbage
+#: once its holder closes it, freed only by the kernel's collector).  The
+#: peers that sent into the queues are kept in C{keep}.  Needs C{array},
+#: C{socket}, C{struct} and C{time}.
+#:
+#: Whoever closes the outer socket last waits, and that may be the attacker
+#: itself (the broker can close its copy before the attacker's own close
+#: returns): an interval timer interrupts the attacker's own lingering
+#: closes, so it never hangs in one.
+NESTED_LINGERING_SOCKETS = LINGERING_SOCKET + r'''
+import signal
+signal.signal(signal.SIGALRM, lambda *_: None)
+signal.siginterrupt(signal.SIGALRM, True)
+signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)
+def carrying(*inner):
+    outer, peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    fds = [s.fileno() for s in inner] or [outer.fileno()]
+    peer.sendmsg([b"n"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+    keep.append(peer)
+    return outer, peer
+def nested(linger, how):
+    tcp = lingering(linger)
+    if how == "nested":
+        outer, _ = carrying(tcp)
+    elif how == "double":
+        middle, _ = carrying(tcp)
+        outer, _ = carrying(middle)
+        middle.close()
+    else:
+        outer, peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        peer.sendmsg([b"n"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                               array.array("i", [tcp.fileno(), outer.fileno()]))])
+        keep.append(peer)
+    tcp.close()
+    return outer
+'''

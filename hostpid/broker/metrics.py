@@ -45,6 +45,7 @@ from twisted.web.server import Request, Site
 import hostpid
 from hostpid import defaults
 from hostpid.broker.descriptors import DescriptorMode
+from hostpid.broker.port import PAUSE_CLOSER, PAUSE_RESOURCES
 from hostpid.broker.server import LATENCY_BUCKETS, Outcome
 from hostpid.broker.service import BrokerService
 
@@ -129,6 +130,35 @@ class BrokerCollector:
             "Passed descriptors waiting for, or in, a close on the background closer's threads.",
             passed.closer.pending if passed is not None else 0,
         )
+        interrupted = CounterMetricFamily(
+            "hostpid_broker_closes_interrupted",
+            "Closes of passed descriptors (or of connections carrying them) that the watchdog "
+            "cut short with a signal, because they would have held a broker thread.",
+        )
+        interrupted.add_metric([], passed.closer.interrupted if passed is not None else 0)
+        yield interrupted
+        yield self._gauge(
+            "hostpid_broker_closes_stuck",
+            "Broker threads inside a close that ignored interrupts for 2 s or more.",
+            passed.closer.stuck if passed is not None else 0,
+        )
+        withoutRoom = CounterMetricFamily(
+            "hostpid_broker_reads_without_room",
+            "Reads made by peeking first, because the descriptor table or the background "
+            "closer lacked room for a full SCM_RIGHTS message.",
+        )
+        withoutRoom.add_metric([], passed.withoutRoom if passed is not None else 0)
+        yield withoutRoom
+        port = broker.port
+        paused = GaugeMetricFamily(
+            "hostpid_broker_accept_paused",
+            "1 while accepting is paused, by reason: closer (passed descriptors still closing "
+            "fill the background closer) or resources (EMFILE/ENFILE/ENOBUFS/ENOMEM).",
+            labels=["reason"],
+        )
+        for label, reason in (("closer", PAUSE_CLOSER), ("resources", PAUSE_RESOURCES)):
+            paused.add_metric([label], int(port is not None and port.pauseReason == reason))
+        yield paused
         resource_errors = broker.port.resourceErrors if broker.port is not None else 0
         errors = CounterMetricFamily(
             "hostpid_broker_accept_resource_errors",
@@ -217,7 +247,7 @@ class ReadyResource(Resource):
             )
         if broker.ready():
             return _text(request, 200, f"ready: listening on {broker.socketPath}")
-        problem = broker.socketPathProblem() if broker.listening else None
+        problem = broker.servingProblem() if broker.listening else None
         return _text(request, 503, f"not ready: {broker.socketPath}: {problem or 'not listening'}")
 
 

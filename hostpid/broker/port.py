@@ -78,6 +78,12 @@ ACCEPTS_PER_TURN = 128
 #: While the background closer is saturated, how often to look again.
 CLOSER_RECHECK = 0.05
 
+#: Why accepting may pause (L{BrokerPort.pauseReason}).
+PAUSE_CLOSER = "passed descriptors still closing fill the background closer"
+PAUSE_RESOURCES = "out of descriptors or memory (accept fails with EMFILE/ENFILE/ENOBUFS/ENOMEM)"
+#: A pause this long (seconds) is logged once and fails readiness.
+PAUSE_REPORTED_AFTER = 1.0
+
 
 class ReceivingServer(unix.Server):
     """
@@ -98,15 +104,14 @@ class ReceivingServer(unix.Server):
 
     def doRead(self) -> Any:
         passed = self._passed()
-        if not passed.hasRoom():
-            # A read now could overflow the descriptor table, and the kernel
-            # would release what does not fit here.  Read again once the
-            # closer has freed room.
-            self.stopReading()
-            passed.waitForRoom(self._resumeReading)
-            return None
         try:
-            data, carried = passed.receive(self.socket, self.bufferSize)
+            if passed.hasRoom():
+                data, carried = passed.receive(self.socket, self.bufferSize)
+            else:
+                # A read now could overflow the descriptor table, and the
+                # kernel would release what does not fit here: read only
+                # what carries no descriptor.
+                data, carried = passed.receiveWithoutRoom(self.socket, self.bufferSize)
         except BlockingIOError:
             return None
         except OSError:
@@ -115,10 +120,6 @@ class ReceivingServer(unix.Server):
             self.protocol.descriptorsReceived()  # type: ignore[attr-defined]
             return None
         return self._dataReceived(data)
-
-    def _resumeReading(self) -> None:
-        if self.connected and not self.disconnecting:
-            self.startReading()
 
     def _closeSocket(self, orderly: bool) -> None:
         if self._passed().release(self.socket):
@@ -163,6 +164,10 @@ class BrokerPort(unix.Port):
         self._resume: IDelayedCall | None = None
         self.resourceErrors = 0
         self.closerPauses = 0
+        #: While accepting is paused: since when (on the reactor's clock), and why.
+        self.pausedSince: float | None = None
+        self.pauseReason: str | None = None
+        self._pauseReported = False
 
     def startListening(self) -> None:
         """
@@ -258,6 +263,8 @@ class BrokerPort(unix.Port):
                 fd, addr = accept()
             except BlockingIOError:
                 self._acceptsPerTurn = max(1, accepted)
+                if self.pausedSince is not None:
+                    self._pauseEnded()
                 return
             except OSError as e:
                 if e.errno in RESOURCE_ERRORS:
@@ -268,6 +275,8 @@ class BrokerPort(unix.Port):
                 self._onFatal(Failure())
                 return
             accepted += 1
+            if self.pausedSince is not None:
+                self._pauseEnded()
             self._backoff = BACKOFF_INITIAL
             skt = _socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, 0, fd)
             prefix = factory.answerWaiting(skt)
@@ -304,6 +313,7 @@ class BrokerPort(unix.Port):
                 delay=self._backoff,
                 count=self.resourceErrors,
             )
+        self._paused(PAUSE_RESOURCES)
         self.stopReading()
         self._resume = self._clock.callLater(self._backoff, self._resumeAccepting)
         self._backoff = min(self._backoff * 2, BACKOFF_MAX)
@@ -322,8 +332,43 @@ class BrokerPort(unix.Port):
                 pending=self.factory.passed.closer.pending,  # type: ignore[union-attr]
                 count=self.closerPauses,
             )
+        self._paused(PAUSE_CLOSER)
         self.stopReading()
         self._resume = self._clock.callLater(CLOSER_RECHECK, self._resumeAccepting)
+
+    def _paused(self, reason: str) -> None:
+        """Accepting is paused for C{reason}; say so once it lasts."""
+        now = self._clock.seconds()
+        if self.pausedSince is None or self.pauseReason != reason:
+            self.pausedSince, self.pauseReason, self._pauseReported = now, reason, False
+        elif not self._pauseReported and now - self.pausedSince >= PAUSE_REPORTED_AFTER:
+            self._pauseReported = True
+            self.log.warn(
+                "hostpid-broker: not accepting for {seconds:.1f}s: {reason}; not ready "
+                "until accepting again",
+                seconds=now - self.pausedSince, reason=reason,
+            )
+
+    def _pauseEnded(self) -> None:
+        if self._pauseReported:
+            self.log.info(
+                "hostpid-broker: accepting again after {seconds:.1f}s ({reason})",
+                seconds=self._clock.seconds() - (self.pausedSince or 0.0),
+                reason=self.pauseReason,
+            )
+        self.pausedSince, self.pauseReason, self._pauseReported = None, None, False
+
+    def pauseProblem(self) -> str | None:
+        """
+        Why accepting has been paused for L{PAUSE_REPORTED_AFTER} or more
+        (readiness fails then), or C{None}.
+        """
+        if self.pausedSince is None:
+            return None
+        seconds = self._clock.seconds() - self.pausedSince
+        if seconds < PAUSE_REPORTED_AFTER:
+            return None
+        return f"not accepting for {seconds:.1f}s: {self.pauseReason}"
 
     def _resumeAccepting(self) -> None:
         self._resume = None

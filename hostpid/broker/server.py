@@ -431,18 +431,13 @@ class BrokerFactory(Factory):
         L{Outcome.DESCRIPTORS}), and close through L{PassedDescriptors} so
         that no descriptor's last reference is dropped in this thread.
         Without room in the descriptor table for a full message
-        (L{PassedDescriptors.hasRoom}) nothing is read here: the connection
-        goes to the general path, whose reads wait for room.
+        (L{PassedDescriptors.hasRoom}) the read peeks first and takes only
+        bytes that carry no descriptor.
         """
         passed = self.passed
         assert passed is not None
         try:
-            if not passed.hasRoom():
-                # No read may carry descriptors now: the general path waits
-                # for room (within the deadline) instead.
-                passed.prepare(sock)
-                return b""
-            data = passed.receiveFirst(sock, _FAST_READ)
+            data = passed.readFirst(sock, _FAST_READ)
         except BlockingIOError:
             return b""
         except OSError:

@@ -347,6 +347,7 @@ class BrokerService(Service):
                 why="forced by " + RECEIVE_DESCRIPTORS_ENV if self.receiveDescriptors
                 else "this kernel has no SO_PASSRIGHTS (Linux 6.16+)",
             )
+            self._logClosesBounded()
         self.log.info(
             "hostpid-broker: listening on {path} (max {maxConnections} active, "
             "deadline {deadline}s)",
@@ -355,6 +356,31 @@ class BrokerService(Service):
         self._watch = LoopingCall(self.checkSocketPath)
         self._watch.clock = self.reactor
         self._watch.start(self.watchInterval, now=False)
+
+    def _logClosesBounded(self) -> None:
+        """Mode received: say whether a close that would linger can be cut short."""
+        passed = self.factory.passed if self.factory is not None else None
+        if passed is None:
+            return
+        watch = passed.closer.watch
+        if watch.active:
+            self.log.info(
+                "hostpid-broker: closes are bounded: a close still running after about "
+                "{bound:.0f} ms is interrupted (signal {signum})",
+                bound=2000 * watch.pollBusy, signum=int(watch.signum),
+            )
+        else:
+            self.log.warn(
+                "hostpid-broker: closes cannot be interrupted ({reason}): a passed descriptor "
+                "that lingers holds a closer thread for as long as it lingers",
+                reason=watch.reason,
+            )
+        if not passed.hasRoom():
+            self.log.warn(
+                "hostpid-broker: RLIMIT_NOFILE {limit} leaves no room for a full SCM_RIGHTS "
+                "message: every request is read by peeking first (two system calls)",
+                limit=passed.descriptorLimit,
+            )
 
     def _prepareNode(self) -> None:
         """Run L{prepareNode}; its refusal is the broker's startup refusal."""
@@ -386,11 +412,21 @@ class BrokerService(Service):
         return None
 
     def ready(self) -> bool:
-        """Serving: enabled, listening, not failed, and the path is still ours."""
+        """
+        Serving: enabled, listening, not failed, the path still ours, and
+        accepting (not paused for L{port.PAUSE_REPORTED_AFTER} or more).
+        """
         return (
             self.enabled and self.listening and not self.failed
-            and self.socketPathProblem() is None
+            and self.servingProblem() is None
         )
+
+    def servingProblem(self) -> str | None:
+        """What keeps a listening broker from serving now, or C{None}."""
+        problem = self.socketPathProblem()
+        if problem is None and self.port is not None:
+            problem = self.port.pauseProblem()
+        return problem
 
     def checkSocketPath(self) -> str | None:
         """
