@@ -165,6 +165,15 @@ def _transaction(
     checks' verdicts (for a caller that reports what it checked).
     """
     policy.require(check_gate(environ))
+    return _checked_transaction(policy)
+
+
+def _checked_transaction(policy: TrustPolicy) -> tuple[int, tuple[CheckResult, ...]]:
+    """
+    L{_transaction} past the gate: every check of C{policy} on the layout,
+    the peer and the reply.  Only L{probe} starts here, since the gate is a
+    workload's decision to ask, not a property of the broker.
+    """
     layout = inspect_layout(policy)
     try:
         for result in layout.results:
@@ -195,11 +204,14 @@ class ProbeReport:
     @ivar socket_path: the socket probed.
     @ivar pid: the PID the broker answered: this process's own.
     @ivar socket: the C{socket} check's verdict (type, owner UID and mode).
+    @ivar gate: the gate in the probing process's environment, as information
+        only: the probe ran whatever it says.
     """
 
     socket_path: str
     pid: int
     socket: CheckResult
+    gate: CheckResult
 
 
 def probe(
@@ -214,14 +226,21 @@ def probe(
 
     Every trust check applies but C{read-only-mount}: the broker directory is
     writable where the broker and its operator are, and read-only only in a
-    workload's mount.  A workload's question is L{query_host_pid}, not this.
+    workload's mount.  The gate is not required either: it is a workload's
+    decision whether to ask at all, and an operator checking a broker from
+    the host has no reason to carry it in the shell (issue 21).  It is read
+    and reported (L{ProbeReport.gate}) as information.  A workload's question
+    is L{query_host_pid}, not this.
+
+    @param environ: where to read the gate reported (default: C{os.environ}).
 
     @raise HostPidUnavailable: a check or stage failed, or the broker
         answered another PID (check C{reply}).
     @raise ValueError: C{deadline} is not a positive number of seconds.
     """
     policy = TrustPolicy(socket_path=socket_path, deadline=deadline).without(READ_ONLY_MOUNT)
-    pid, results = _transaction(policy, environ)
+    gate = check_gate(environ)
+    pid, results = _checked_transaction(policy)
     own = os.getpid()
     if pid != own:
         raise HostPidUnavailable(
@@ -230,7 +249,7 @@ def probe(
             "(a probe must run in the broker's PID namespace)",
         )
     (socket_result,) = (result for result in results if result.name == SOCKET)
-    return ProbeReport(socket_path=policy.socket_path, pid=pid, socket=socket_result)
+    return ProbeReport(socket_path=policy.socket_path, pid=pid, socket=socket_result, gate=gate)
 
 
 def lookup_host_pid(
