@@ -22,6 +22,7 @@ from pathlib import Path
 from support import REPO, WAIT_SECONDS, as_user_argv, require_tool
 
 from hostpid import wire
+from hostpid.testing import listen_in_another_process
 
 C_SOURCE = REPO / "tests" / "c" / "hostpid_client.c"
 
@@ -67,7 +68,8 @@ class FakeBroker:
         self._wake_read, self._wake_write = os.pipe()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(os.fspath(path))
-        self.listener.listen(backlog)
+        #: The PID the kernel reports for this listener (see below).
+        self.listener_pid = listen_in_another_process(self.listener, backlog)
         self._thread = threading.Thread(target=self._serve, daemon=True)
 
     def __enter__(self) -> FakeBroker:
