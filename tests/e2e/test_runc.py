@@ -168,7 +168,12 @@ class Runtime:
         self.state = workdir / "runc-state"
         self.state.mkdir(mode=0o700)
         self.rootfs = make_rootfs(workdir)
+        if uid_mappings is not None:
+            # The runtime makes the mountpoints as the container's root.
+            os.chown(self.rootfs, uid_mappings[1], uid_mappings[1])
         self.python = PythonLayout.of_this_process()
+        #: More read-only binds (host path, container path) for every container.
+        self.extra_binds: list[tuple[str, str]] = []
         self.runs: list[ContainerRun] = []
 
     def _config(self, mounts: Sequence[Mount], envs: dict[str, str], uid: int,
@@ -186,7 +191,8 @@ class Runtime:
              "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
             bind("/usr", "/usr", True),
             bind("/etc", "/etc", True),
-            *(bind(host, inside, True) for host, inside in self.python.binds),
+            *(bind(host, inside, True) for host, inside in
+              (*self.python.binds, *self.extra_binds)),
             {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
              "options": ["nosuid", "nodev", "mode=1777", "size=16m"]},
         ]

@@ -31,8 +31,9 @@ QUERY = (
     "import os, sys\n"
     "from hostpid import TrustPolicy, HostPidUnavailable, query_host_pid\n"
     "policy = TrustPolicy(sys.argv[1]).without('read-only-mount')\n"
+    "gate = {'LIBVGPU_HOSTPID_BROKER': '1'}\n"
     "try:\n"
-    "    print('pid', os.getpid(), 'answer', query_host_pid(policy, {'LIBVGPU_HOSTPID_BROKER': '1'}))\n"
+    "    print('pid', os.getpid(), 'answer', query_host_pid(policy, gate))\n"
     "except HostPidUnavailable as problem:\n"
     "    print('pid', os.getpid(), 'refused', problem.check, '|', problem.observed)\n"
 )
