@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import pytest_twisted  # type: ignore[import-untyped]
 from clienttools import fake_broker, make_directory, response
+from support import wait_for
 
 from hostpid import cli
 from hostpid.client import blocking as client
@@ -54,6 +55,7 @@ def test_listener_that_is_the_caller_is_refused_with_every_optional_check_off(
         with pytest.raises(client.HostPidUnavailable) as caught:
             client.query_host_pid(loosest(directory), ENABLED)
         assert client.lookup_host_pid(loosest(directory), ENABLED) is None
+        wait_for(lambda: len(broker.requests) == 2, "the broker to read both connections")
     assert caught.value.check == "peer-pid"
     assert caught.value.observed.startswith(f"pid {os.getpid()} is this process itself: ")
     assert "sandboxed runtime" in caught.value.observed
@@ -81,6 +83,7 @@ async def test_twisted_client_refuses_the_caller_as_listener(
         with pytest.raises(client.HostPidUnavailable) as caught:
             await txclient.query_host_pid_deferred(loosest(directory), ENABLED)
         assert await txclient.lookup_host_pid_deferred(loosest(directory), ENABLED) is None
+        wait_for(lambda: len(broker.requests) == 2, "the broker to read both connections")
     assert caught.value.check == "peer-pid"
     assert broker.requests == [b"", b""]
 
@@ -92,6 +95,7 @@ def test_doctor_names_the_sandboxed_runtime(
     with fake_broker(directory, response(pid=4242), listen_here=True) as broker:
         out = io.StringIO()
         status = cli.main(["doctor", "--socket", str(broker.path)], out, io.StringIO())
+        wait_for(lambda: len(broker.requests) == 1, "the broker to read the connection")
     lines = {line.split()[0]: line for line in out.getvalue().splitlines()}
     assert status == 1
     assert lines["peer-pid"].startswith(
