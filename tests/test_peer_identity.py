@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -70,7 +71,7 @@ def test_the_same_listener_from_another_process_is_trusted(directory: Path) -> N
 
 
 def test_listener_that_is_a_thread_of_the_caller_is_refused() -> None:
-    caller = peerpid.CallerProcess(pid=100, threads=frozenset({100, 101}), pid_namespace=5)
+    caller = peerpid.CallerProcess(pid=100, pid_namespace=5, threads=frozenset({100, 101}))
     problem = peerpid.peer_pid_problem(101, caller)
     assert problem is not None and problem.startswith("pid 101 is a thread of this process")
 
@@ -107,6 +108,22 @@ def test_doctor_names_the_sandboxed_runtime(
     assert broker.requests == [b""]
 
 
+def test_probe_refuses_a_listener_that_is_the_prober(directory: Path) -> None:
+    """
+    C{hostpid probe} passes when the broker names the probing process: a
+    listener in the prober itself, answering the prober's own PID, is the
+    one answer that proves nothing (the old probe called it healthy).
+    """
+    with fake_broker(directory, response(pid=os.getpid()), listen_here=True):
+        with pytest.raises(client.HostPidUnavailable) as caught:
+            client.probe(str(directory / "broker.sock"), environ=ENABLED)
+    assert caught.value.check == "peer-pid"
+    other = make_directory(directory.parent / "other")
+    with fake_broker(other, response(pid=os.getpid())):
+        report = client.probe(str(other / "broker.sock"), environ=ENABLED)
+    assert report.pid == os.getpid(), "control: listened from another process, it passes"
+
+
 def test_peer_pid_cannot_be_turned_off() -> None:
     with pytest.raises(ValueError, match="'peer-pid' check cannot be turned off"):
         client.TrustPolicy().without("peer-pid")
@@ -135,7 +152,7 @@ CONTAINER_NS = 4026532500
     ],
 )
 def test_peer_pid_rule(pid: int, namespace: int | OSError, refused: str | None) -> None:
-    caller = peerpid.CallerProcess(pid=100, threads=frozenset({100}), pid_namespace=namespace)
+    caller = peerpid.CallerProcess(pid=100, pid_namespace=namespace, threads=frozenset({100}))
     problem = peerpid.peer_pid_problem(pid, caller)
     if refused is None:
         assert problem is None
@@ -145,15 +162,33 @@ def test_peer_pid_rule(pid: int, namespace: int | OSError, refused: str | None) 
 
 def test_this_process_is_read_from_the_kernel() -> None:
     caller = peerpid.this_process()
-    assert caller.pid == os.getpid() and caller.pid in caller.threads
+    assert caller.pid == os.getpid()
     assert caller.pid_namespace == os.stat("/proc/self/ns/pid").st_ino
+    seen: list[int] = []
+    ready, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        seen.append(threading.get_native_id())
+        ready.set()
+        done.wait(10)
+
+    worker = threading.Thread(target=hold)
+    worker.start()
+    try:
+        assert ready.wait(10)
+        assert caller.has_thread(seen[0]), "a live thread of ours, from /proc/self/task"
+        assert peerpid.peer_pid_problem(seen[0], caller) is not None
+    finally:
+        done.set()
+        worker.join()
+    assert not caller.has_thread(1), "PID 1 is not a thread of a test process"
 
 
 def test_credentials_that_cannot_be_read_fail_peer_pid() -> None:
     result = client.check_peer_pid(OSError(9, "Bad file descriptor"))
     assert (result.name, result.ok) == ("peer-pid", False)
     assert client.check_peer_pid(PeerCredentials(0, 0, 0), peerpid.CallerProcess(
-        pid=1, threads=frozenset({1}), pid_namespace=CONTAINER_NS)).ok
+        pid=1, pid_namespace=CONTAINER_NS)).ok
 
 
 # Measured under Debian's runsc 20221219 (uname and fstatfs of the broker

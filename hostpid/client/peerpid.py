@@ -41,15 +41,25 @@ class CallerProcess:
     The calling process as the kernel sees it.
 
     @ivar pid: C{getpid()}.
-    @ivar threads: the thread IDs of this process, as far as they could be
-        read (always including C{pid}).
     @ivar pid_namespace: the nsfs inode of its PID namespace, or the error
         that kept it from being read.
+    @ivar threads: the thread IDs of this process, or C{None}: ask
+        C{/proc/self/task} about one PID when it matters (a non-zero PID
+        other than C{pid}), which costs one C{stat} and nothing at all in a
+        container, where the broker shows as PID 0.
     """
 
     pid: int
-    threads: frozenset[int]
     pid_namespace: int | OSError = attrs.field(eq=False)
+    threads: frozenset[int] | None = None
+
+    def has_thread(self, tid: int) -> bool:
+        """Whether C{tid} is a thread of this process (C{pid} is)."""
+        if tid == self.pid:
+            return True
+        if self.threads is not None:
+            return tid in self.threads
+        return tid > 0 and os.path.lexists(f"{TASKS_PATH}/{tid}")
 
     @property
     def in_host_pid_namespace(self) -> bool | None:
@@ -60,18 +70,12 @@ class CallerProcess:
 
 
 def this_process() -> CallerProcess:
-    """Read the caller's PID, threads and PID namespace (three system calls or so)."""
-    pid = os.getpid()
-    threads = {pid}
-    try:
-        threads.update(int(name) for name in os.listdir(TASKS_PATH) if name.isdigit())
-    except OSError:
-        pass
+    """The caller's PID and PID namespace (one C{stat}); its threads when asked."""
     try:
         namespace: int | OSError = os.stat(PID_NAMESPACE_PATH).st_ino
     except OSError as error:
         namespace = error
-    return CallerProcess(pid, frozenset(threads), namespace)
+    return CallerProcess(os.getpid(), namespace)
 
 
 _SANDBOXED = (
@@ -85,7 +89,7 @@ def peer_pid_problem(pid: int, caller: CallerProcess) -> str | None:
     """Why a listener reported as C{pid} is not the host's broker, or C{None}."""
     if pid == caller.pid:
         return f"pid {pid} is this process itself: {_SANDBOXED}"
-    if pid in caller.threads:
+    if pid > 0 and caller.has_thread(pid):
         return f"pid {pid} is a thread of this process (pid {caller.pid}): {_SANDBOXED}"
     if pid < 0:
         return f"pid {pid} is not a PID"

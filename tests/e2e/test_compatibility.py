@@ -29,7 +29,9 @@ The cells and their verdicts (C{docs/compatibility.md} has the table):
     process of the sandbox (the gofer's), SO_PEERCRED inside names the
     caller itself; refused (C{sandbox}, and C{peer-pid} in the doctor's
     report), also with C{read-only-mount} turned off by name.  On the old
-    client that last run printed the gofer's PID.
+    client that last run printed the gofer's PID;
+  - no broker mount (an allocation with the gate off, after an earlier one
+    made the mountpoint): the doctor says so first.
 
 Never a wrong PID: no cell may print a PID other than the runtime's own
 report for the process that asked.  A runtime that cannot start a container
@@ -312,3 +314,25 @@ def test_gvisor_with_host_sockets_never_trusts_the_gofer(
     assert doctor["reply"] == "FAIL not tried: peer-pid failed"
     assert run.exit_code == 1 and run.printed_pid() is None
     assert run.stderr.startswith("hostpid query: sandbox check failed: gVisor (runsc) detected")
+
+
+def test_no_broker_mount_says_so(workdir: Path, node: Node, c_client_dir: Path) -> None:
+    """
+    The cell of a container whose allocation has no broker mount, on a node
+    where an earlier broker-enabled allocation made the mountpoint: the
+    doctor says so first, in those words, instead of a missing socket.
+    """
+    runtime = Runtime(runtime_command("runc"), fresh(workdir, "n"))
+    runtime.extra_binds.append((str(c_client_dir), "/e2e/cclient"))
+    with running_broker(node.broker_dir):
+        allocate(node, "1")
+        mounts, envs, _ = allocate(node, "0")
+        run = runtime.run("runc, no broker mount", mounts, envs, WORKLOAD_UID,
+                          cell_script(runtime.python.executable))
+    cell = Cell(run, "runc")
+    assert cell.lines["doctor"][0].startswith(
+        "broker-mount FAIL /tmp/vgpulock/hostpid is not a mount point: this container's "
+        "allocation has no broker mount")
+    assert run.exit_code == 1 and run.printed_pid() is None
+    assert "gate check failed" in run.stderr
+    cell.never_a_wrong_pid()
