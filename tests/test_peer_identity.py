@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import io
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 import pytest_twisted  # type: ignore[import-untyped]
-from clienttools import fake_broker, make_directory, response
-from support import wait_for
+from clienttools import build_c_client, fake_broker, make_directory, response
+from support import subprocess_env, wait_for
 
 from hostpid import cli
 from hostpid.client import blocking as client
@@ -68,6 +70,56 @@ def test_the_same_listener_from_another_process_is_trusted(directory: Path) -> N
     with fake_broker(directory, response(pid=4242)) as broker:
         assert client.query_host_pid(loosest(directory), ENABLED) == 4242
     assert broker.listener_pid != os.getpid()
+
+
+LISTEN_THEN_EXEC = (
+    "import os, socket, sys\n"
+    "listener = socket.socket(socket.AF_UNIX)\n"
+    "listener.bind(sys.argv[1])\n"
+    "listener.listen(8)\n"
+    "os.set_inheritable(listener.fileno(), True)\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+#: The Python client, read-only-mount turned off by name (a tmp directory).
+PYTHON_QUERY = (
+    "import sys\n"
+    "from hostpid import HostPidUnavailable, TrustPolicy, query_host_pid\n"
+    "try:\n"
+    "    print(query_host_pid(TrustPolicy(sys.argv[1]).without('read-only-mount')))\n"
+    "except HostPidUnavailable as problem:\n"
+    "    sys.exit(f'{problem}')\n"
+)
+
+
+@pytest.mark.parametrize("which", ["c", "python"])
+def test_a_program_that_inherited_its_own_listener_refuses_it(
+    directory: Path, tmp_path: Path, which: str
+) -> None:
+    """
+    A process listens on the broker's path and then becomes the client
+    (C{exec}: the same PID), so the kernel names the client itself as the
+    listener: the C contract client and C{hostpid query} both refuse with
+    C{peer-pid} before sending a byte.  (Before, both sent the request and
+    waited out their deadline.)
+    """
+    socket_path = str(directory / "broker.sock")
+    if which == "c":
+        client_argv = [str(build_c_client(tmp_path)), "--socket", socket_path,
+                       "--without", "read-only-mount"]
+        expected = "hostpid_client: peer-pid: pid "
+    else:
+        client_argv = [sys.executable, "-c", PYTHON_QUERY, socket_path]
+        expected = "peer-pid: pid "
+    env = subprocess_env(LIBVGPU_HOSTPID_BROKER="1")
+    result = subprocess.run(
+        [sys.executable, "-c", LISTEN_THEN_EXEC, socket_path, *client_argv],
+        env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert (result.returncode, result.stdout) == (1, "")
+    assert result.stderr.startswith(expected), result.stderr
+    assert "is this process itself" in result.stderr
 
 
 def test_listener_that_is_a_thread_of_the_caller_is_refused() -> None:
