@@ -35,11 +35,11 @@ import attrs
 from twisted.logger import Logger
 
 from hostpid import defaults, wire
-from hostpid.client.trust import READ_ONLY_MOUNT, TrustPolicy
+from hostpid.client.trust import PEER_PID, READ_ONLY_MOUNT, TrustPolicy
 from hostpid.gate import ENABLED_VALUE, GATE_ENV
 from hostpid.peercred import peer_credentials
 
-__all__ = ["FakeBroker", "listen_in_another_process"]
+__all__ = ["FakeBroker"]
 
 #: The longest C{sun_path} Linux accepts, terminating NUL excluded.
 _SUN_PATH_MAX = 107
@@ -49,37 +49,6 @@ _SUN_PATH_MAX = 107
 _STOP_SECONDS = 10.0
 
 _log = Logger()
-
-
-def listen_in_another_process(listener: socket.socket, backlog: int) -> int:
-    """
-    Make C{listener} listen from a short-lived child process, and return
-    that child's PID: the PID C{SO_PEERCRED} reports to every client of
-    this listener (the kernel records whoever called C{listen()}).
-
-    The client's C{peer-pid} check refuses a listener that is the calling
-    process itself, since the real broker never is, and gVisor's echo of
-    the caller's own credentials is exactly that.  A double served by a
-    thread of the caller would be refused; one that listened from a child
-    is served by this process yet seen as another, as the real broker is.
-    The child calls C{listen()} and C{_exit()}, nothing else, so forking
-    a process with threads is safe here.
-
-    @raise OSError: the child's C{listen()} failed.
-    """
-    child = os.fork()
-    if child == 0:  # pragma: no cover - runs in the child
-        status = 0
-        try:
-            listener.listen(backlog)
-        except BaseException:
-            status = 1
-        finally:
-            os._exit(status)
-    _, status = os.waitpid(child, 0)
-    if status != 0:
-        raise OSError(f"listen() failed in the child that listens (wait status {status})")
-    return child
 
 
 @attrs.define
@@ -154,11 +123,11 @@ class FakeBroker:
         The policy under which the project's clients trust this broker as
         they trust the real one: every check on, except C{read-only-mount}
         (turned off by name: a temporary directory is not a read-only
-        mount), with this process's effective UID as the trusted UID (it
-        owns the directory and the socket, and listens on it).  C{peer-pid}
-        stays on: the listener was made to listen by a child process
-        (L{listen_in_another_process}), so the kernel does not report the
-        caller itself as the listener, as it never reports the real broker.
+        mount) and C{peer-pid} (turned off by name: this double listens in
+        the calling process, which in a container, the usual place for CI,
+        is exactly what C{peer-pid} refuses there), with this process's
+        effective UID as the trusted UID (it owns the directory and the
+        socket, and listens on it).  Never copy this policy to a workload.
 
         @raise RuntimeError: the broker is not running.
         """
@@ -228,10 +197,10 @@ class FakeBroker:
         listener.bind(path)
         info = os.lstat(path)
         self._identity = (info.st_dev, info.st_ino)
-        listen_in_another_process(listener, socket.SOMAXCONN)
+        listener.listen(socket.SOMAXCONN)
         self._wake = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._policy = TrustPolicy(socket_path=path, trusted_uid=os.geteuid()).without(
-            READ_ONLY_MOUNT
+            READ_ONLY_MOUNT, PEER_PID
         )
         self._thread = threading.Thread(
             target=self._serve, name=f"hostpid FakeBroker {path}", daemon=True

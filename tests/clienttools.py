@@ -22,7 +22,6 @@ from pathlib import Path
 from support import REPO, WAIT_SECONDS, as_user_argv, require_tool
 
 from hostpid import wire
-from hostpid.testing import listen_in_another_process
 
 C_SOURCE = REPO / "tests" / "c" / "hostpid_client.c"
 
@@ -56,7 +55,6 @@ class FakeBroker:
         hold: bool = False,
         backlog: int = 64,
         accept: bool = True,
-        listen_here: bool = False,
     ) -> None:
         self.path = path
         self.reply = reply
@@ -69,14 +67,7 @@ class FakeBroker:
         self._wake_read, self._wake_write = os.pipe()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(os.fspath(path))
-        #: The PID the kernel reports for this listener: a child's, or, with
-        #: C{listen_here}, this process's own (what gVisor reports to a
-        #: client of a host socket).
-        if listen_here:
-            self.listener.listen(backlog)
-            self.listener_pid = os.getpid()
-        else:
-            self.listener_pid = listen_in_another_process(self.listener, backlog)
+        self.listener.listen(backlog)
         self._thread = threading.Thread(target=self._serve, daemon=True)
 
     def __enter__(self) -> FakeBroker:

@@ -2,38 +2,31 @@
 Issue 20: the C{peer-pid} and C{sandbox} checks, and the words C{doctor}
 finds for each compatibility cell.
 
-The listener that is the caller itself is made for real: a scripted broker
-whose socket this very process C{listen()}s on, so the kernel reports this
-process as the listener, which is what gVisor's sentry reports to a client
-of a host socket.  Every optional check is turned off, as a caller may
-("for tests and unusual nodes"): C{peer-pid} must still refuse, in the
-blocking client, the Twisted client and C{hostpid doctor}.  The judgements
-themselves are pure functions, tested on the values each runtime reports
-(those of gVisor were measured under Debian's C{runsc}; see
-C{docs/compatibility.md}).
+The judgements are pure functions, tested here on the values each runtime
+reports (gVisor's measured under Debian's C{runsc}; see
+C{docs/compatibility.md}), and on this machine, in the host PID namespace,
+where a listener in the caller's own process is a broker embedded in it.
+The listener that is the caller itself inside a private PID namespace (what
+gVisor reports) is made for real in
+C{tests/integration/test_peer_in_pid_namespace.py}, and every runtime cell in
+C{tests/e2e/test_compatibility.py}.
 """
 
 from __future__ import annotations
 
-import io
 import os
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
+import attrs
 import pytest
-import pytest_twisted  # type: ignore[import-untyped]
-from clienttools import build_c_client, fake_broker, make_directory, response
-from support import subprocess_env, wait_for
+from clienttools import fake_broker, make_directory, response
 
-from hostpid import cli
 from hostpid.client import blocking as client
-from hostpid.client import peerpid, sandbox, txclient, userns
+from hostpid.client import peerpid, sandbox, userns
 from hostpid.peercred import PeerCredentials
 
 ENABLED = {"LIBVGPU_HOSTPID_BROKER": "1"}
-EVERY_OPTIONAL_CHECK_OFF = tuple(sorted(client.OPTIONAL_CHECKS))
 
 
 @pytest.fixture
@@ -41,146 +34,35 @@ def directory(tmp_path: Path) -> Path:
     return make_directory(tmp_path / "hostpid")
 
 
-def loosest(directory: Path) -> client.TrustPolicy:
-    """Every check a caller can turn off, turned off by name."""
-    return client.TrustPolicy(socket_path=str(directory / "broker.sock")).without(
-        *EVERY_OPTIONAL_CHECK_OFF
+# --- In the host PID namespace: a broker embedded in the caller. ---
+
+
+def test_a_listener_in_the_caller_is_trusted_in_the_host_pid_namespace(directory: Path) -> None:
+    """
+    Here (the host PID namespace) the listener that is this very process is
+    a broker embedded in it (C{docs/examples/broker-with-web.tac}): the
+    kernel's word, trusted.  The same in a private PID namespace is refused:
+    C{tests/integration/test_peer_in_pid_namespace.py}.
+    """
+    assert peerpid.this_process().in_host_pid_namespace
+    policy = client.TrustPolicy(socket_path=str(directory / "broker.sock")).without(
+        "read-only-mount"
+    )
+    with fake_broker(directory, response(pid=os.getpid())):
+        assert client.query_host_pid(policy, ENABLED) == os.getpid()
+        [result] = [r for r in client.doctor(policy, ENABLED) if r.name == "peer-pid"]
+    assert result.ok
+    assert result.observed == (
+        f"pid {os.getpid()}: this process, in the host PID namespace (a broker embedded in it)"
     )
 
 
-# --- The caller itself as the listener, for real. ---
-
-
-def test_listener_that_is_the_caller_is_refused_with_every_optional_check_off(
-    directory: Path,
-) -> None:
-    with fake_broker(directory, response(pid=4242), listen_here=True) as broker:
-        with pytest.raises(client.HostPidUnavailable) as caught:
-            client.query_host_pid(loosest(directory), ENABLED)
-        assert client.lookup_host_pid(loosest(directory), ENABLED) is None
-        wait_for(lambda: len(broker.requests) == 2, "the broker to read both connections")
-    assert caught.value.check == "peer-pid"
-    assert caught.value.observed.startswith(f"pid {os.getpid()} is this process itself: ")
-    assert "sandboxed runtime" in caught.value.observed
-    assert broker.requests == [b"", b""], "refused before a byte of the request was sent"
-
-
-def test_the_same_listener_from_another_process_is_trusted(directory: Path) -> None:
-    """Control: only who listened differs, and the answer is then believed."""
-    with fake_broker(directory, response(pid=4242)) as broker:
-        assert client.query_host_pid(loosest(directory), ENABLED) == 4242
-    assert broker.listener_pid != os.getpid()
-
-
-LISTEN_THEN_EXEC = (
-    "import os, socket, sys\n"
-    "listener = socket.socket(socket.AF_UNIX)\n"
-    "listener.bind(sys.argv[1])\n"
-    "listener.listen(8)\n"
-    "os.set_inheritable(listener.fileno(), True)\n"
-    "os.execv(sys.argv[2], sys.argv[2:])\n"
-)
-
-
-#: The Python client, read-only-mount turned off by name (a tmp directory).
-PYTHON_QUERY = (
-    "import sys\n"
-    "from hostpid import HostPidUnavailable, TrustPolicy, query_host_pid\n"
-    "try:\n"
-    "    print(query_host_pid(TrustPolicy(sys.argv[1]).without('read-only-mount')))\n"
-    "except HostPidUnavailable as problem:\n"
-    "    sys.exit(f'{problem}')\n"
-)
-
-
-@pytest.mark.parametrize("which", ["c", "python"])
-def test_a_program_that_inherited_its_own_listener_refuses_it(
-    directory: Path, tmp_path: Path, which: str
-) -> None:
-    """
-    A process listens on the broker's path and then becomes the client
-    (C{exec}: the same PID), so the kernel names the client itself as the
-    listener: the C contract client and C{hostpid query} both refuse with
-    C{peer-pid} before sending a byte.  (Before, both sent the request and
-    waited out their deadline.)
-    """
-    socket_path = str(directory / "broker.sock")
-    if which == "c":
-        client_argv = [str(build_c_client(tmp_path)), "--socket", socket_path,
-                       "--without", "read-only-mount"]
-        expected = "hostpid_client: peer-pid: pid "
-    else:
-        client_argv = [sys.executable, "-c", PYTHON_QUERY, socket_path]
-        expected = "peer-pid: pid "
-    env = subprocess_env(LIBVGPU_HOSTPID_BROKER="1")
-    result = subprocess.run(
-        [sys.executable, "-c", LISTEN_THEN_EXEC, socket_path, *client_argv],
-        env=env, capture_output=True, text=True, timeout=60,
-    )
-    assert (result.returncode, result.stdout) == (1, "")
-    assert result.stderr.startswith(expected), result.stderr
-    assert "is this process itself" in result.stderr
-
-
-def test_listener_that_is_a_thread_of_the_caller_is_refused() -> None:
-    caller = peerpid.CallerProcess(pid=100, pid_namespace=5, threads=frozenset({100, 101}))
-    problem = peerpid.peer_pid_problem(101, caller)
-    assert problem is not None and problem.startswith("pid 101 is a thread of this process")
-
-
-@pytest_twisted.ensureDeferred
-async def test_twisted_client_refuses_the_caller_as_listener(
-    directory: Path, clean_reactor: None
-) -> None:
-    with fake_broker(directory, response(pid=4242), listen_here=True) as broker:
-        with pytest.raises(client.HostPidUnavailable) as caught:
-            await txclient.query_host_pid_deferred(loosest(directory), ENABLED)
-        assert await txclient.lookup_host_pid_deferred(loosest(directory), ENABLED) is None
-        wait_for(lambda: len(broker.requests) == 2, "the broker to read both connections")
-    assert caught.value.check == "peer-pid"
-    assert broker.requests == [b"", b""]
-
-
-def test_doctor_names_the_sandboxed_runtime(
-    directory: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("LIBVGPU_HOSTPID_BROKER", "1")
-    with fake_broker(directory, response(pid=4242), listen_here=True) as broker:
-        out = io.StringIO()
-        status = cli.main(["doctor", "--socket", str(broker.path)], out, io.StringIO())
-        wait_for(lambda: len(broker.requests) == 1, "the broker to read the connection")
-    lines = {line.split()[0]: line for line in out.getvalue().splitlines()}
-    assert status == 1
-    assert lines["peer-pid"].startswith(
-        f"peer-pid FAIL {broker.path}: pid {os.getpid()} is this process itself: "
-        "sandboxed runtime"
-    )
-    assert lines["peer-uid"] == f"peer-uid ok uid 0 (pid {os.getpid()})"
-    assert lines["reply"] == "reply FAIL not tried: peer-pid failed"
-    assert broker.requests == [b""]
-
-
-def test_probe_refuses_a_listener_that_is_the_prober(directory: Path) -> None:
-    """
-    C{hostpid probe} passes when the broker names the probing process: a
-    listener in the prober itself, answering the prober's own PID, is the
-    one answer that proves nothing (the old probe called it healthy).
-    """
-    with fake_broker(directory, response(pid=os.getpid()), listen_here=True):
-        with pytest.raises(client.HostPidUnavailable) as caught:
-            client.probe(str(directory / "broker.sock"), environ=ENABLED)
-    assert caught.value.check == "peer-pid"
-    other = make_directory(directory.parent / "other")
-    with fake_broker(other, response(pid=os.getpid())):
-        report = client.probe(str(other / "broker.sock"), environ=ENABLED)
-    assert report.pid == os.getpid(), "control: listened from another process, it passes"
-
-
-def test_peer_pid_cannot_be_turned_off() -> None:
-    with pytest.raises(ValueError, match="'peer-pid' check cannot be turned off"):
-        client.TrustPolicy().without("peer-pid")
+def test_only_peer_pid_of_the_new_checks_can_be_turned_off_and_only_by_name() -> None:
     with pytest.raises(ValueError, match="'sandbox' check cannot be turned off"):
         client.TrustPolicy().without("sandbox")
+    assert not client.TrustPolicy().without("peer-pid").enforces("peer-pid")
+    assert client.TrustPolicy().without("read-only-mount").enforces("peer-pid")
+    assert client.STRICT.enforces("peer-pid") and client.STRICT.enforces("sandbox")
 
 
 # --- The rule, over what each place reports. ---
@@ -197,14 +79,18 @@ CONTAINER_NS = 4026532500
         (0, HOST_NS, "pid 0 in the host PID namespace"),
         (7, CONTAINER_NS, "pid 7 is inside this process's PID namespace pid:[4026532500]"),
         (100, CONTAINER_NS, "pid 100 is this process itself"),  # gVisor
-        (100, HOST_NS, "pid 100 is this process itself"),
+        (101, CONTAINER_NS, "pid 101 is a thread of this process"),
+        (100, HOST_NS, None),  # a broker embedded in this process
+        (100, OSError(2, "No such file or directory"), "pid 100 is this process itself"),
         (-1, HOST_NS, "pid -1 is not a PID"),
         (0, OSError(2, "No such file or directory"), None),
         (7, OSError(2, "No such file or directory"), "pid 7: cannot tell whether the listener"),
     ],
 )
 def test_peer_pid_rule(pid: int, namespace: int | OSError, refused: str | None) -> None:
-    caller = peerpid.CallerProcess(pid=100, pid_namespace=namespace, threads=frozenset({100}))
+    caller = peerpid.CallerProcess(
+        pid=100, pid_namespace=namespace, threads=frozenset({100, 101})
+    )
     problem = peerpid.peer_pid_problem(pid, caller)
     if refused is None:
         assert problem is None
@@ -229,7 +115,9 @@ def test_this_process_is_read_from_the_kernel() -> None:
     try:
         assert ready.wait(10)
         assert caller.has_thread(seen[0]), "a live thread of ours, from /proc/self/task"
-        assert peerpid.peer_pid_problem(seen[0], caller) is not None
+        in_a_container = attrs.evolve(caller, pid_namespace=CONTAINER_NS)
+        problem = peerpid.peer_pid_problem(seen[0], in_a_container)
+        assert problem is not None and "is a thread of this process" in problem
     finally:
         done.set()
         worker.join()

@@ -31,7 +31,6 @@ This module reads and judges; naming the check is L{hostpid.client.trust}'s.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import struct
 
@@ -66,16 +65,17 @@ class SandboxSignals:
     mount_type: int | None
 
 
-_libc: ctypes.CDLL | None = None
+#: The C library already loaded into this process (no search, no subprocess).
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_FSTATFS = _LIBC.fstatfs
+_FSTATFS.argtypes = (ctypes.c_int, ctypes.c_void_p)
+_FSTATFS.restype = ctypes.c_int
 
 
 def _fstatfs_type(fd: int) -> int | None:
     """C{f_type} of the filesystem C{fd} is on (Python's C{statvfs} has no such field)."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
     buffer = ctypes.create_string_buffer(_STATFS_SIZE)
-    if _libc.fstatfs(fd, buffer) != 0:
+    if _FSTATFS(fd, buffer) != 0:
         return None
     (f_type,) = _F_TYPE.unpack_from(buffer.raw)
     return int(f_type) & 0xFFFFFFFF

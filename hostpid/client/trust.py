@@ -17,17 +17,20 @@ The checks, in order, each failing under a stable name:
   5. C{read-only-mount}: the directory is on a read-only mount;
   6. C{peer-uid}: after connecting, the kernel's C{SO_PEERCRED} says the
      listener runs as the trusted UID (checked before a byte is sent);
-  7. C{peer-pid}: the same C{SO_PEERCRED} names a listener that is not the
-     caller (nor one of its threads) and is where the broker is: outside a
-     private PID namespace, another process inside the host's
+  7. C{peer-pid}: the same C{SO_PEERCRED} names a listener where the broker
+     is: PID 0 (outside) from a private PID namespace, where the caller
+     itself is what gVisor reports; a real PID in the host's
      (L{hostpid.client.peerpid});
   8. C{reply}: magic C{HPID}, version 1, status 0, a PID in 1..2**31-1.
 
 Two transport stages can also fail a query, and no caller can turn them off:
 C{connect} (the kernel refused the connection) and C{deadline} (one monotonic
 deadline over connect, write and read passed).  Nor can C{gate},
-C{sandbox}, C{peer-pid} and C{reply}: with C{peer-pid} off, gVisor would
-hand a workload its gofer's PID whenever the other checks pass.
+C{sandbox} and C{reply}.  C{peer-pid} can, by name, only because a test
+double in the caller's own process or PID namespace (L{hostpid.testing.
+FakeBroker} in a container) is exactly what it refuses: turned off anywhere
+else, it lets gVisor hand a workload its gofer's PID once the other checks
+pass.
 
 The filesystem checks run on one C{O_PATH} descriptor of the directory, and
 the connection goes through that descriptor (C{/proc/self/fd/N/broker.sock})
@@ -66,11 +69,13 @@ CHECKS: tuple[str, ...] = (
 )
 
 #: The checks a caller may turn off by name.  The gate is the operator's
-#: switch; a detected sandbox, or a listener that is the caller itself or
-#: inside its PID namespace, is a place where no answer can be right; the
-#: reply is what makes an answer an answer: none of them can be turned off,
-#: nor can the transport stages (C{connect}, C{deadline}).
-OPTIONAL_CHECKS: frozenset[str] = frozenset({DIRECTORY, SOCKET, READ_ONLY_MOUNT, PEER_UID})
+#: switch, a detected sandbox is a place where no answer can be right, and
+#: the reply is what makes an answer an answer: none of them can be turned
+#: off, nor can the transport stages (C{connect}, C{deadline}).  C{peer-pid}
+#: is here for test doubles only (see the module text); never on a node.
+OPTIONAL_CHECKS: frozenset[str] = frozenset(
+    {DIRECTORY, SOCKET, READ_ONLY_MOUNT, PEER_UID, PEER_PID}
+)
 
 #: What L{doctor} reports, one result each, in this order.
 DOCTOR_CHECKS: tuple[str, ...] = (

@@ -11,9 +11,9 @@
  *
  * sandbox: gVisor's kernel (its uname version string) or a 9p broker
  * directory (fstatfs f_type V9FS_MAGIC) is refused.  peer-pid: the listener
- * SO_PEERCRED names must not be this process or one of its threads (gVisor
- * echoes the caller's own credentials on a host socket), must be 0 (outside)
- * when this process is in a private PID namespace, and non-zero in the host's.
+ * SO_PEERCRED names must be 0 (outside) when this process is in a private PID
+ * namespace (there, this process itself is what gVisor echoes on a host
+ * socket), and a real PID in the host's.
  *
  * Usage:
  *   hostpid_client [--socket PATH] [--trusted-uid UID] [--deadline-ms MS]
@@ -173,33 +173,39 @@ static int sandbox_check(int directory_fd)
     return 0;
 }
 
-/* peer-pid: 0 when PID can be the host's broker, else 1 (reported). */
+/*
+ * peer-pid: 0 when PID can be the host's broker, else 1 (reported).  From a
+ * private PID namespace the broker, outside, shows as 0, and anything else is
+ * refused (this process itself is what gVisor reports); from the host PID
+ * namespace it shows as a real PID (possibly this process, embedding it).
+ */
 static int peer_pid_check(pid_t pid)
 {
     char task[64];
     struct stat info;
+    if (pid < 0)
+        return fail("peer-pid", "pid %d is not a PID", (int)pid);
+    int known = stat("/proc/self/ns/pid", &info) == 0;
+    int saved = errno;
+    int host = known && (unsigned long)info.st_ino == PROC_PID_INIT_INO;
+    if (host)
+        return pid == 0 ? fail("peer-pid", "pid 0 in the host PID namespace: no listener named")
+                        : 0;
+    if (pid == 0)
+        return 0;
     if (pid == getpid())
         return fail("peer-pid", "pid %d is this process itself: sandboxed runtime", (int)pid);
     snprintf(task, sizeof task, "/proc/self/task/%d", (int)pid);
-    if (pid > 0 && stat(task, &info) == 0)
+    struct stat thread;
+    if (stat(task, &thread) == 0)
         return fail("peer-pid", "pid %d is a thread of this process: sandboxed runtime",
                     (int)pid);
-    if (pid < 0)
-        return fail("peer-pid", "pid %d is not a PID", (int)pid);
-    if (stat("/proc/self/ns/pid", &info) != 0) {
-        if (pid == 0)
-            return 0;
+    if (!known)
         return fail("peer-pid", "pid %d: cannot tell whether the listener is outside this PID "
-                    "namespace (/proc/self/ns/pid: %s)", (int)pid, strerror(errno));
-    }
-    int host = (unsigned long)info.st_ino == PROC_PID_INIT_INO;
-    if (host && pid == 0)
-        return fail("peer-pid", "pid 0 in the host PID namespace: no listener named");
-    if (!host && pid > 0)
-        return fail("peer-pid", "pid %d is inside this process's PID namespace pid:[%lu]: the "
-                    "listener runs in this container, not in the host PID namespace",
-                    (int)pid, (unsigned long)info.st_ino);
-    return 0;
+                    "namespace (/proc/self/ns/pid: %s)", (int)pid, strerror(saved));
+    return fail("peer-pid", "pid %d is inside this process's PID namespace pid:[%lu]: the "
+                "listener runs in this container, not in the host PID namespace",
+                (int)pid, (unsigned long)info.st_ino);
 }
 
 int main(int argc, char **argv)
