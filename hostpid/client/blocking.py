@@ -221,10 +221,9 @@ def probe(
 
     Every trust check applies but C{read-only-mount}: the broker directory is
     writable where the broker and its operator are, and read-only only in a
-    workload's mount.  C{peer-pid} applies too: run from the host PID
-    namespace, the listener must be another process there (a probe that
-    reached itself, or a listener of its own container, would prove
-    nothing).  A workload's question is L{query_host_pid}, not this.
+    workload's mount.  C{peer-pid} and C{sandbox} apply too (from the host
+    PID namespace the listener must have a real PID).  A workload's
+    question is L{query_host_pid}, not this.
 
     @raise HostPidUnavailable: a check or stage failed, or the broker
         answered another PID (check C{reply}).
