@@ -27,10 +27,10 @@ Two transport stages can also fail a query, and no caller can turn them off:
 C{connect} (the kernel refused the connection) and C{deadline} (one monotonic
 deadline over connect, write and read passed).  Nor can C{gate},
 C{sandbox} and C{reply}.  C{peer-pid} can, by name, only because a test
-double in the caller's own process or PID namespace (L{hostpid.testing.
-FakeBroker} in a container) is exactly what it refuses: turned off anywhere
-else, it lets gVisor hand a workload its gofer's PID once the other checks
-pass.
+double in the caller's own process or PID namespace
+(L{hostpid.testing.FakeBroker} in a container) is exactly what it refuses:
+turned off anywhere else, it lets gVisor hand a workload its gofer's PID
+once the other checks pass.
 
 The filesystem checks run on one C{O_PATH} descriptor of the directory, and
 the connection goes through that descriptor (C{/proc/self/fd/N/broker.sock})
