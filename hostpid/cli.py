@@ -391,9 +391,10 @@ def build_parser() -> argparse.ArgumentParser:
         commands, "query",
         "ask the broker for this process's host PID, with every trust check",
         "Ask the broker for this process's host PID and print it, applying every client\n"
-        "trust check (gate, directory, socket, read-only mount, peer UID, reply): a\n"
-        "workload's question.  Exit 0 with the PID; 1 with one line on stderr naming the\n"
-        "check that failed and the path it looked at; 2 for a usage error.",
+        "trust check (gate, sandbox, directory, socket, read-only mount, peer UID,\n"
+        "peer PID, reply): a workload's question.  Exit 0 with the PID; 1 with one line\n"
+        "on stderr naming the check that failed and the path it looked at; 2 for a\n"
+        "usage error.",
     )
     _socket_option(query, defaults.CLIENT_SOCKET, "the broker socket as a workload sees it")
     _timeout_option(query)
