@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from hostpid import wire
+from hostpid.peercred import peer_credentials
 
 REPO = Path(__file__).resolve().parent.parent
 REQUIRE_PRIVILEGED = os.environ.get("HOSTPID_REQUIRE_PRIVILEGED") == "1"
@@ -481,3 +482,25 @@ def run_with_private_tmp(
     import json
 
     return result, json.loads(text) if text else {}
+
+
+def accepted_from_exited_child(path: Path) -> socket.socket:
+    """
+    A server-side connection whose client process connected, exited, and was
+    reaped before the server looked at it.
+    """
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(os.fspath(path))
+    listener.listen(1)
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the child
+        try:
+            client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            client.connect(os.fspath(path))
+        finally:
+            os._exit(0)
+    os.waitpid(child, 0)
+    connection, _ = listener.accept()
+    listener.close()
+    assert peer_credentials(connection).pid == child
+    return connection

@@ -47,7 +47,7 @@ class RecordingIdentifier(PeerIdentifier):
         self.result = result
         self.asked = 0
 
-    def host_pid(self, sock: socket.socket) -> int:
+    def host_pid(self, sock: socket.socket, accepted: int = 0) -> int:
         self.asked += 1
         if isinstance(self.result, Exception):
             raise self.result
@@ -138,3 +138,26 @@ class TestFastPath:
         client.close()
         assert factory.answerWaiting(server) is None
         assert factory.counts[Outcome.SHORT] == 1
+
+
+class AcceptTimeIdentifier(RecordingIdentifier):
+    """Records the accept time each check was given; its accept clock is a counter."""
+
+    def __init__(self) -> None:
+        super().__init__(7)
+        self.readings = iter(range(1000, 2000))
+        self.acceptClock = lambda: next(self.readings)
+        self.accepted: list[int] = []
+
+    def host_pid(self, sock: socket.socket, accepted: int = 0) -> int:
+        self.accepted.append(accepted)
+        return super().host_pid(sock, accepted)
+
+
+def test_the_fast_path_reads_the_accept_time_before_the_request(pair) -> None:
+    identifier = AcceptTimeIdentifier()
+    factory = BrokerFactory(MemoryReactorClock(), deadline=DEADLINE, identifier=identifier)
+    pair[1].sendall(wire.GET_HOST_PID_REQUEST)
+    assert factory.answerWaiting(pair[0]) is None
+    assert pair[1].recv(64) == wire.encode_ok(7)
+    assert identifier.accepted == [1000]

@@ -17,12 +17,14 @@ import socket
 from collections.abc import Iterator
 
 import pytest
+from test_server import AcceptTimeIdentifier
 from twisted.internet.testing import MemoryReactorClock
 
 from hostpid import wire
 from hostpid.broker.descriptors import PassedDescriptors
 from hostpid.broker.server import BrokerFactory, Outcome, max_waiting_per_peer
 from hostpid.broker.waiting import WaitingConnection, WaitingRoom, peer_pid
+from hostpid.peercred import PeerIdentifier
 
 DEADLINE = 0.5
 REQUEST = wire.GET_HOST_PID_REQUEST
@@ -78,10 +80,11 @@ def reply(client: socket.socket) -> bytes:
 
 
 def make_room(
-    clock: MemoryReactorClock, maxConnections: int = 4, maxPerPeer: int | None = None
+    clock: MemoryReactorClock, maxConnections: int = 4, maxPerPeer: int | None = None,
+    identifier: PeerIdentifier | None = None,
 ) -> tuple[BrokerFactory, WaitingRoom, Tenants]:
     factory = BrokerFactory(clock, deadline=DEADLINE, maxConnections=maxConnections,
-                            maxPerPeer=maxPerPeer)
+                            maxPerPeer=maxPerPeer, identifier=identifier)
     tenants: Tenants
     room = WaitingRoom(factory, clock, peerOf=lambda sock: tenants.peerOf(sock))
     tenants = Tenants(room)
@@ -415,5 +418,40 @@ def test_without_room_reads_go_on_and_meet_no_descriptor(clock) -> None:
         assert factory.counts[Outcome.DESCRIPTORS] == 1 and factory.counts[Outcome.OK] == 1
         assert passed.received == 0, "nothing carrying a descriptor was read here"
         assert passed.withoutRoom >= 2
+    finally:
+        tenants.close()
+
+
+def test_the_accept_time_is_read_at_accept_and_given_to_the_check(clock) -> None:
+    """
+    The general path reads the identifier's accept clock when the connection
+    is admitted, not when its request completes (possibly much later), and
+    the check gets that reading.
+    """
+    identifier = AcceptTimeIdentifier()
+    _, _, tenants = make_room(clock, identifier=identifier)
+    try:
+        connection, client = tenants.waiting(prefix=REQUEST[:3])
+        clock.advance(DEADLINE / 2)
+        next(identifier.readings)  # time passes on the accept clock too
+        client.sendall(REQUEST[3:])
+        connection.doRead()
+        assert reply(client) == wire.encode_ok(7)
+        assert identifier.accepted == [1000]
+    finally:
+        tenants.close()
+
+
+def test_no_accept_clock_no_reading(clock) -> None:
+    """Where the check needs no accept time (SO_PEERPIDFD), none is read: 0 is passed."""
+    identifier = AcceptTimeIdentifier()
+    identifier.acceptClock = None
+    _, _, tenants = make_room(clock, identifier=identifier)
+    try:
+        connection, client = tenants.waiting()
+        client.sendall(REQUEST)
+        connection.doRead()
+        assert reply(client) == wire.encode_ok(7)
+        assert identifier.accepted == [0]
     finally:
         tenants.close()

@@ -48,6 +48,7 @@ from hostpid.broker.descriptors import DescriptorMode
 from hostpid.broker.port import PAUSE_CLOSER, PAUSE_RESOURCES
 from hostpid.broker.server import LATENCY_BUCKETS, Outcome
 from hostpid.broker.service import BrokerService
+from hostpid.peercred import LivenessCheck
 
 
 class BrokerCollector:
@@ -111,9 +112,22 @@ class BrokerCollector:
         yield self._gauge(
             "hostpid_broker_pidfd_check",
             "1 when callers are verified with SO_PEERPIDFD, 0 when the kernel lacks it "
-            "(SO_PEERCRED alone), -1 before the first caller.",
+            "(see hostpid_broker_liveness_check for what is used instead), -1 before the "
+            "first caller.",
             -1 if supported is None else int(supported),
         )
+        check = factory.identifier.check if factory is not None else None
+        liveness = GaugeMetricFamily(
+            "hostpid_broker_liveness_check",
+            "1 for the check in force that the process that connected still owns its PID: "
+            "peerpidfd (SO_PEERPIDFD, Linux 6.5+), pidfd_open (older kernels: the PID looked "
+            "up again and its start time compared with the accept) or none (pidfd_open "
+            "refused: SO_PEERCRED alone); all 0 before the first caller.",
+            labels=["check"],
+        )
+        for kind in LivenessCheck:
+            liveness.add_metric([kind.value], int(kind is check))
+        yield liveness
         mode = broker.port.descriptorMode if broker.port is not None else None
         passing = GaugeMetricFamily(
             "hostpid_broker_descriptor_passing",

@@ -121,10 +121,12 @@ class LatencyHistogram:
 
 
 def answer(
-    request: bytes, sock: _socket.socket, identifier: PeerIdentifier
+    request: bytes, sock: _socket.socket, identifier: PeerIdentifier, accepted: int = 0
 ) -> tuple[Outcome, bytes | None]:
     """
-    Decide the reply to C{request} (exactly 8 bytes) arriving on C{sock}.
+    Decide the reply to C{request} (exactly 8 bytes) arriving on C{sock},
+    accepted at C{accepted} (the identifier's L{PeerIdentifier.acceptClock},
+    or 0 where it needs none).
 
     The peer is identified only after the request is known to be valid, and
     anything short of a verified, positive PID closes with no reply: the
@@ -137,7 +139,7 @@ def answer(
     if not wire.is_valid_request(request):
         return Outcome.INVALID, wire.INVALID_REQUEST_RESPONSE
     try:
-        pid = identifier.host_pid(sock)
+        pid = identifier.host_pid(sock, accepted)
     except PeerGone:
         return Outcome.PEER_GONE, None
     except PeerUnverified:
@@ -248,6 +250,8 @@ class BrokerFactory(Factory):
         socket: return C{None}.  Otherwise return the bytes read so far (maybe
         none) for the general path to continue from.  Never blocks.
         """
+        acceptClock = self.identifier.acceptClock
+        accepted = acceptClock() if acceptClock is not None else 0
         try:
             # Read a little more than the request: bytes after the 8th are
             # ignored, and swallowing them here means closing the socket does
@@ -266,7 +270,7 @@ class BrokerFactory(Factory):
             sock.close()
             self.record(Outcome.SHORT)
             return None
-        outcome, reply = answer(data[: wire.REQUEST_SIZE], sock, self.identifier)
+        outcome, reply = answer(data[: wire.REQUEST_SIZE], sock, self.identifier, accepted)
         if reply is not None:
             try:
                 sock.send(reply, _SEND_FLAGS)
@@ -304,6 +308,8 @@ class BrokerFactory(Factory):
         """
         passed = self.passed
         assert passed is not None
+        acceptClock = self.identifier.acceptClock
+        accepted = acceptClock() if acceptClock is not None else 0
         try:
             data = passed.readFirst(sock, _FAST_READ)
         except BlockingIOError:
@@ -322,7 +328,7 @@ class BrokerFactory(Factory):
             passed.release(sock)
             self.record(Outcome.SHORT)
             return None
-        outcome, reply = answer(data[: wire.REQUEST_SIZE], sock, self.identifier)
+        outcome, reply = answer(data[: wire.REQUEST_SIZE], sock, self.identifier, accepted)
         if reply is not None:
             try:
                 sock.send(reply, _SEND_FLAGS)

@@ -45,7 +45,7 @@ from hostpid.broker.port import BrokerPort
 from hostpid.broker.server import BrokerFactory
 from hostpid.errors import PathRuleError
 from hostpid.gate import GATE_ENV, gate_enabled
-from hostpid.peercred import PeerIdentifier
+from hostpid.peercred import LivenessCheck, PeerIdentifier
 
 #: How often the socket path's identity is checked while serving, in seconds.
 WATCH_INTERVAL = 1.0
@@ -57,6 +57,13 @@ FATAL_EXIT_STATUS = 1
 #: mode of kernels without C{SO_PASSRIGHTS}) even where the kernel could
 #: refuse them.  It weakens nothing: that mode is safe, only slower.
 RECEIVE_DESCRIPTORS_ENV = "HOSTPID_BROKER_TEST_RECEIVE_DESCRIPTORS"
+
+#: For tests only: C{"pidfd_open"} makes the broker check callers with the
+#: liveness check of kernels without C{SO_PEERPIDFD} (before Linux 6.5) even
+#: where the kernel has it.  That check is weaker (docs/security.md); the
+#: broker logs that it was forced, and the metrics name the check in force.
+#: No value turns the check off.
+LIVENESS_ENV = "HOSTPID_BROKER_TEST_LIVENESS"
 
 
 def is_default_directory(directory: str) -> bool:
@@ -228,6 +235,18 @@ class BrokerService(Service):
             env = os.environ if environ is None else environ
             receiveDescriptors = env.get(RECEIVE_DESCRIPTORS_ENV) == "1"
         self.receiveDescriptors = receiveDescriptors
+        #: Whether L{LIVENESS_ENV} forced the check (said in the log at start).
+        self.livenessForced = False
+        if identifier is None:
+            forced = (os.environ if environ is None else environ).get(LIVENESS_ENV)
+            if forced == LivenessCheck.PIDFD_OPEN.value:
+                self.identifier = PeerIdentifier(check=LivenessCheck.PIDFD_OPEN)
+                self.livenessForced = True
+            elif forced:
+                self.log.warn(
+                    "hostpid-broker: {env}={value!r} ignored (the only value is \"pidfd_open\")",
+                    env=LIVENESS_ENV, value=forced,
+                )
         self.factory: BrokerFactory | None = None
         self.port: BrokerPort | None = None
         self.failed = False
@@ -354,6 +373,18 @@ class BrokerService(Service):
                 else "this kernel has no SO_PASSRIGHTS (Linux 6.16+)",
             )
             self._logClosesBounded()
+        identifier = self.factory.identifier
+        if self.livenessForced and identifier.check is not None:
+            self.log.warn(
+                "hostpid-broker: liveness check forced to {check} by {env} "
+                "(SO_PEERPIDFD not used even if the kernel has it){refused}{procNote}",
+                check=identifier.check.value, env=LIVENESS_ENV,
+                refused=f"; pidfd_open refused: {identifier.pidfdOpenRefused}"
+                if identifier.pidfdOpenRefused is not None else "",
+                procNote="" if identifier.startTimes else (
+                    "; /proc is not this PID namespace's, so start times are not compared"
+                ),
+            )
         self.log.info(
             "hostpid-broker: listening on {path} (max {maxConnections} active, "
             "{maxPerPeer} waiting per peer, deadline {deadline}s)",

@@ -102,16 +102,28 @@ class WaitingConnection:
     the factory's slots until L{finish}.
     """
 
-    __slots__ = ("socket", "fd", "peer", "started", "finished", "_buffer", "_room")
+    __slots__ = ("socket", "fd", "peer", "started", "accepted", "finished", "_buffer", "_room")
 
     def __init__(
-        self, room: WaitingRoom, sock: _socket.socket, peer: int, prefix: bytes
+        self,
+        room: WaitingRoom,
+        sock: _socket.socket,
+        peer: int,
+        prefix: bytes,
+        accepted: int = 0,
     ) -> None:
+        """
+        @param accepted: when it was accepted on the identifier's
+            L{PeerIdentifier.acceptClock} (the liveness check without
+            C{SO_PEERPIDFD} compares the peer's start time with it), or 0
+            where the check needs none.
+        """
         self._room = room
         self.socket = sock
         self.fd = sock.fileno()
         self.peer = peer
         self.started = 0.0
+        self.accepted = accepted
         self.finished = False
         self._buffer = prefix
 
@@ -154,7 +166,7 @@ class WaitingConnection:
             self._buffer = request
             return
         outcome, reply = answer(
-            request[:_REQUEST_SIZE], self.socket, self._room.factory.identifier
+            request[:_REQUEST_SIZE], self.socket, self._room.factory.identifier, self.accepted
         )
         if reply is not None:
             try:
@@ -263,7 +275,12 @@ class WaitingRoom:
                 self._shed(sock)
                 return None
             victim[0].finish(Outcome.EVICTED)
-        connection = WaitingConnection(self, sock, peer, prefix)
+        # As the port accepts it: the accept time the liveness check without
+        # SO_PEERPIDFD compares start times with.
+        acceptClock = factory.identifier.acceptClock
+        connection = WaitingConnection(
+            self, sock, peer, prefix, acceptClock() if acceptClock is not None else 0
+        )
         factory.transactionStarted()
         queues.add(connection, peer)
         connection.started = self.deadlines.start(connection)
