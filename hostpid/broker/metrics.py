@@ -144,25 +144,23 @@ class BrokerCollector:
             "Passed descriptors waiting for, or in, a close on the background closer's threads.",
             passed.closer.pending if passed is not None else 0,
         )
-        interrupted = CounterMetricFamily(
+        yield self._counter(
             "hostpid_broker_closes_interrupted",
             "Closes of passed descriptors (or of connections carrying them) that the watchdog "
             "cut short with a signal, because they would have held a broker thread.",
+            passed.closer.interrupted if passed is not None else 0,
         )
-        interrupted.add_metric([], passed.closer.interrupted if passed is not None else 0)
-        yield interrupted
         yield self._gauge(
             "hostpid_broker_closes_stuck",
             "Broker threads inside a close that ignored interrupts for 2 s or more.",
             passed.closer.stuck if passed is not None else 0,
         )
-        withoutRoom = CounterMetricFamily(
+        yield self._counter(
             "hostpid_broker_reads_without_room",
             "Reads made by peeking first, because the descriptor table or the background "
             "closer lacked room for a full SCM_RIGHTS message.",
+            passed.withoutRoom if passed is not None else 0,
         )
-        withoutRoom.add_metric([], passed.withoutRoom if passed is not None else 0)
-        yield withoutRoom
         port = broker.port
         paused = GaugeMetricFamily(
             "hostpid_broker_accept_paused",
@@ -174,20 +172,18 @@ class BrokerCollector:
             paused.add_metric([label], int(port is not None and port.pauseReason == reason))
         yield paused
         resource_errors = broker.port.resourceErrors if broker.port is not None else 0
-        errors = CounterMetricFamily(
+        yield self._counter(
             "hostpid_broker_accept_resource_errors",
             "Accept attempts that failed for lack of descriptors or memory (then backed off).",
+            resource_errors,
         )
-        errors.add_metric([], resource_errors)
-        yield errors
-        mountpoint = CounterMetricFamily(
+        yield self._counter(
             "hostpid_broker_mountpoint_events",
             "Times the broker mountpoint <lock parent>/hostpid went missing or was replaced "
             "while the broker served (a root workload's rmdir detaches the broker mount in "
             "every running container).",
+            broker.mountpointWatch.events,
         )
-        mountpoint.add_metric([], broker.mountpointWatch.events)
-        yield mountpoint
         yield self._gauge(
             "hostpid_broker_metrics_connections",
             "Connections the metrics server holds now "
@@ -213,6 +209,10 @@ class BrokerCollector:
     @staticmethod
     def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
         return GaugeMetricFamily(name, documentation, value=value)
+
+    @staticmethod
+    def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+        return CounterMetricFamily(name, documentation, value=value)
 
 
 class MetricsResource(Resource):
