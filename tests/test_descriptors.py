@@ -19,6 +19,7 @@ from support import wait_for
 from hostpid import wire
 from hostpid.broker.closewatch import CloseWatch
 from hostpid.broker.descriptors import (
+    HOLD_ANSWERED,
     ROOM_MARGIN,
     SCM_MAX_FD,
     SO_PASSRIGHTS,
@@ -309,3 +310,110 @@ def test_receive_first_reads_inline_and_refuses_descriptors(pair) -> None:
         receiver.receiveFirst(server, 256)
     wait_for(lambda: receiver.closer.closed == 1, "the closer to close the pipe")
     os.close(write)
+
+
+def answered(pair: tuple[socket.socket, socket.socket], receiver: PassedDescriptors) -> None:
+    """The fast path's part before the release: request read, reply sent."""
+    server, client = pair
+    client.sendall(wire.GET_HOST_PID_REQUEST)
+    assert receiver.receiveFirst(server, 256) == wire.GET_HOST_PID_REQUEST
+    server.send(wire.encode_ok(os.getpid()))
+
+
+def test_an_answered_connection_whose_peer_closed_is_closed_after_one_peek(pair) -> None:
+    """The common case of L{PassedDescriptors.releaseAnswered}: no shutdown needed."""
+    server, client = pair
+    receiver = PassedDescriptors(BackgroundCloser())
+    answered(pair, receiver)
+    assert client.recv(64) == wire.encode_ok(os.getpid())
+    client.close()
+    assert receiver.releaseAnswered(server) is False
+    assert receiver.closedAfterPeer == 1 and server.fileno() == -1
+    assert receiver.closer.pending == 0 and receiver.guard.closes == 1
+
+
+def test_a_closed_peer_with_descriptors_queued_is_never_closed_in_place(pair) -> None:
+    """
+    The peer's close ends what it can send, but what it queued before is still
+    there: end of file is not reported, and the queue is drained (the
+    descriptor goes to the closer) as by L{PassedDescriptors.release}.
+    """
+    server, client = pair
+    read, write = os.pipe()
+    receiver = PassedDescriptors(BackgroundCloser())
+    answered(pair, receiver)
+    assert client.recv(64) == wire.encode_ok(os.getpid())
+    client.sendmsg([b"y"], rights(read))
+    os.close(read)
+    client.close()
+    assert receiver.releaseAnswered(server) is True
+    assert receiver.closedAfterPeer == 0 and receiver.received == 1
+    wait_for(lambda: receiver.closer.closed == 1, "the pipe closed off this thread")
+    with pytest.raises(BrokenPipeError):
+        os.write(write, b"x")
+    os.close(write)
+
+
+def test_an_answered_connection_whose_peer_is_open_is_released_in_full(pair) -> None:
+    """Peer still open: shutdown first, so it can queue nothing more, then close."""
+    server, client = pair
+    read, write = os.pipe()
+    receiver = PassedDescriptors(BackgroundCloser())
+    answered(pair, receiver)
+    assert receiver.releaseAnswered(server) is False
+    assert receiver.closedAfterPeer == 0 and server.fileno() == -1
+    assert client.recv(64) == wire.encode_ok(os.getpid())
+    with pytest.raises(OSError):
+        client.sendmsg([b"z"], rights(read))
+    os.close(read)
+    os.close(write)
+
+
+def test_answered_connections_are_held_counted_and_all_released() -> None:
+    """
+    L{PassedDescriptors.holdAnswered} holds the last HOLD_ANSWERED, counts
+    them against the table in L{PassedDescriptors.hasRoom}, releases the
+    oldest beyond, and L{PassedDescriptors.releaseHeld} releases the rest.
+    """
+    closer = BackgroundCloser(threads=1, limit=SCM_MAX_FD + 10)
+    receiver = PassedDescriptors(
+        closer, descriptorLimit=SCM_MAX_FD + ROOM_MARGIN + HOLD_ANSWERED, reserved=0
+    )
+    pairs = [socket.socketpair() for _ in range(HOLD_ANSWERED + 1)]
+    try:
+        assert receiver.hasRoom()
+        for server, client in pairs[:HOLD_ANSWERED]:
+            answered((server, client), receiver)
+            assert client.recv(64) == wire.encode_ok(os.getpid())
+            client.close()
+            assert receiver.holdAnswered(server) == 0
+        assert all(server.fileno() != -1 for server, _ in pairs[:HOLD_ANSWERED]), "held"
+        assert receiver.hasRoom(), "exactly the table's spare room held"
+        server, client = pairs[HOLD_ANSWERED]
+        answered((server, client), receiver)
+        assert client.recv(64) == wire.encode_ok(os.getpid())
+        client.close()
+        assert receiver.holdAnswered(server) == 0
+        assert pairs[0][0].fileno() == -1, "the oldest released"
+        assert receiver.closedAfterPeer == 1
+        assert receiver.releaseHeld() == 0
+        assert all(server.fileno() == -1 for server, _ in pairs)
+        assert receiver.closedAfterPeer == HOLD_ANSWERED + 1
+    finally:
+        for server, client in pairs:
+            server.close()
+            client.close()
+
+
+def test_a_full_hold_leaves_no_room(pair) -> None:
+    """Held connections are descriptors: the table must still take a full message."""
+    receiver = PassedDescriptors(
+        BackgroundCloser(), descriptorLimit=SCM_MAX_FD + ROOM_MARGIN, reserved=0
+    )
+    server, client = pair
+    assert receiver.hasRoom()
+    answered(pair, receiver)
+    receiver.holdAnswered(server)
+    assert not receiver.hasRoom(), "one held connection more and a message could overflow"
+    assert receiver.releaseHeld() == 0
+    assert receiver.hasRoom()

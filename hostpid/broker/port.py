@@ -210,8 +210,7 @@ class BrokerPort(unix.Port):
         try:
             self._acceptBatch(factory)
         finally:
-            if factory.answeredAtAccept:
-                factory.observeAccepted(started)
+            factory.acceptBatchEnded(started)
 
     def _acceptBatch(self, factory: BrokerFactory) -> None:
         """
