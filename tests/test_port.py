@@ -252,18 +252,3 @@ def test_a_saturated_closer_pauses_accepting_until_it_drains(clock, listener) ->
     [client] = listener.clients
     client.settimeout(WAIT_SECONDS)
     assert client.recv(64) == wire.encode_ok(os.getpid()), "answered once the closer drained"
-
-
-def test_mode_received_holds_no_connection_past_its_accept_batch(clock, listener) -> None:
-    """Answered connections held for a cheaper release are all released in the turn."""
-    port, _ = make_port(clock, listener, [])
-    passed = PassedDescriptors(BackgroundCloser(), descriptorLimit=1 << 16)
-    port.factory.receiveDescriptors(passed)
-    port._acceptsPerTurn = 8
-    listener.errors = [0] * 5
-    port.doRead()
-    assert listener.errors == [] and port.factory.counts[0] == 5
-    for client in listener.clients:
-        client.settimeout(WAIT_SECONDS)
-        assert client.recv(64) == wire.encode_ok(os.getpid())
-        assert client.recv(64) == b"", "released: the broker's end is closed"

@@ -7,17 +7,14 @@ request, is tested in C{test_waiting.py}.
 
 from __future__ import annotations
 
-import array
 import os
 import socket
 
 import pytest
-from support import wait_for
 from twisted.internet.testing import MemoryReactorClock
 from twisted.logger import Logger
 
 from hostpid import wire
-from hostpid.broker.descriptors import BackgroundCloser, PassedDescriptors
 from hostpid.broker.server import BrokerFactory, Outcome, answer
 from hostpid.peercred import PeerCredentialsFailed, PeerGone, PeerIdentifier
 
@@ -164,46 +161,3 @@ def test_the_fast_path_reads_the_accept_time_before_the_request(pair) -> None:
     assert factory.answerWaiting(pair[0]) is None
     assert pair[1].recv(64) == wire.encode_ok(7)
     assert identifier.accepted == [1000]
-
-
-class TestReceivingFastPath:
-    """
-    L{BrokerFactory.answerWaitingReceiving} (mode received): an answered
-    connection is held until its batch ends (L{BrokerFactory.acceptBatchEnded}),
-    and one that turns out to have passed descriptors is counted for that.
-    """
-
-    @pytest.fixture
-    def receiving(self, factory) -> BrokerFactory:
-        factory.receiveDescriptors(PassedDescriptors(BackgroundCloser()))
-        return factory
-
-    def test_answered_then_released_at_the_end_of_the_batch(self, receiving, pair) -> None:
-        server, client = pair
-        client.sendall(wire.GET_HOST_PID_REQUEST)
-        assert receiving.answerWaiting(server) is None
-        assert client.recv(64) == wire.encode_ok(os.getpid())
-        assert server.fileno() != -1, "held until the batch ends"
-        client.close()
-        receiving.acceptBatchEnded(0.0)
-        passed = receiving.passed
-        assert passed is not None
-        assert server.fileno() == -1 and passed.closedAfterPeer == 1
-        assert receiving.counts[Outcome.OK] == 1 and receiving.answeredAtAccept == 0
-
-    def test_descriptors_behind_an_answered_request_are_counted(self, receiving, pair) -> None:
-        server, client = pair
-        read, write = os.pipe()
-        client.sendall(wire.GET_HOST_PID_REQUEST)
-        assert receiving.answerWaiting(server) is None
-        assert client.recv(64) == wire.encode_ok(os.getpid())
-        client.sendmsg([b"y"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [read]))])
-        os.close(read)
-        client.close()
-        receiving.acceptBatchEnded(0.0)
-        passed = receiving.passed
-        assert passed is not None and passed.received == 1
-        assert receiving.counts[Outcome.OK] == 0
-        assert receiving.counts[Outcome.DESCRIPTORS] == 1
-        wait_for(lambda: passed.closer.closed == 1, "the pipe closed off this thread")
-        os.close(write)

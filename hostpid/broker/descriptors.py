@@ -24,11 +24,7 @@ Two modes, chosen once when the listener is created (L{DescriptorMode}):
     or an out-of-band byte carrying descriptors would be discarded by the
     next ordinary read; and closes each connection only after C{shutdown(SHUT_RD)}
     (from then on the peer's C{sendmsg} fails with C{EPIPE}) and a peek that
-    finds the queue empty, or else a bounded drain of what was queued.  An
-    answered connection is released a little later in the same reactor
-    turn (L{PassedDescriptors.holdAnswered}), by when its client has
-    usually closed: a peek that reads end of file then proves the same
-    thing without the C{shutdown} (L{PassedDescriptors.releaseAnswered}).
+    finds the queue empty, or else a bounded drain of what was queued.
     Each received descriptor is then made
     safe to close or closed elsewhere: an Internet socket gets C{SO_LINGER
     {1, 0}} (its close resets the connection at once) and is closed here;
@@ -66,7 +62,6 @@ import resource
 import socket
 import struct
 import threading
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -114,11 +109,6 @@ CLOSER_MAX_THREADS = 8
 #: ancillary buffer: the connection in hand, a transient pidfd, a log file
 #: reopened, a metrics connection accepted meanwhile.
 ROOM_MARGIN = 16
-
-#: Answered connections held, at most, before the oldest is released
-#: (L{PassedDescriptors.holdAnswered}): time for their clients to read the
-#: reply and close, so that most releases find the peer's end shut.
-HOLD_ANSWERED = 32
 
 
 
@@ -327,11 +317,6 @@ class PassedDescriptors:
         self.closer = closer if closer is not None else BackgroundCloser()
         self.received = 0
         self.withoutRoom = 0
-        #: Answered connections not yet released (L{holdAnswered}).
-        self._held: deque[_socket.socket] = deque()
-        #: Releases of answered connections that found the peer's end shut
-        #: and the queue empty: one peek, no C{shutdown}.
-        self.closedAfterPeer = 0
         self._connections = connections
         self.descriptorLimit = (
             _soft_descriptor_limit() if descriptorLimit is None else descriptorLimit
@@ -353,8 +338,8 @@ class PassedDescriptors:
         pending = self.closer.pending
         return (
             self.closer.limit - pending >= SCM_MAX_FD
-            and self.descriptorLimit - self.reserved - self._connections() - len(self._held)
-            - pending >= SCM_MAX_FD + ROOM_MARGIN
+            and self.descriptorLimit - self.reserved - self._connections() - pending
+            >= SCM_MAX_FD + ROOM_MARGIN
         )
 
     def receiveWithoutRoom(self, sock: _socket.socket, size: int) -> tuple[bytes, bool]:
@@ -483,70 +468,6 @@ class PassedDescriptors:
             self.closer.submit(sock.detach())
             return False
         return self._drain(sock)
-
-    def holdAnswered(self, sock: _socket.socket) -> int:
-        """
-        Release C{sock}, an answered connection, a little later: hold it
-        among the last L{HOLD_ANSWERED}, and release the oldest of them
-        (L{releaseAnswered}) once there are more.  The caller releases the
-        rest with L{releaseHeld} before its turn of the reactor ends, so no
-        connection is held across turns.  The held connections count
-        against the descriptor table in L{hasRoom}.
-
-        Why: by the time an answered connection is released, its client has
-        usually read the reply and closed, and a connection whose peer has
-        closed needs one peek where one still open needs a C{shutdown} too.
-
-        @return: how many of the connections released now had descriptors
-            queued behind their request (0 or 1).
-        """
-        held = self._held
-        held.append(sock)
-        if len(held) > HOLD_ANSWERED:
-            return self.releaseAnswered(held.popleft())
-        return 0
-
-    def releaseHeld(self) -> int:
-        """
-        Release every connection L{holdAnswered} holds.
-
-        @return: how many of them had descriptors queued behind their request.
-        """
-        held = self._held
-        found = 0
-        while held:
-            found += self.releaseAnswered(held.popleft())
-        return found
-
-    def releaseAnswered(self, sock: _socket.socket) -> bool:
-        """
-        L{release} for a connection whose peer has probably closed already:
-        peek first, and if that reads end of file, close at once.
-
-        Why that is as safe as L{release}'s own sequence: a Unix stream read
-        reports end of file only when it finds, under the socket's state
-        lock, the receive queue empty I{and} C{RCV_SHUTDOWN} set on the
-        socket, and a sender queues a message only under that same lock
-        after checking that C{RCV_SHUTDOWN} is not set (C{EPIPE}
-        otherwise); the flag is never cleared.  C{shutdown(SHUT_RD)} by us
-        is one way to set it; the peer's close or C{shutdown(SHUT_WR)} sets
-        it just the same.  So end of file means what it means after our own
-        C{shutdown}: nothing is queued, and nothing can be any more.  Any
-        other answer (the peer still open, data or descriptors queued, an
-        error) goes through L{release}: nothing is decided on it here.
-
-        @return: whether descriptors were found while draining.
-        """
-        try:
-            if not sock.recv(1, _PEEK_FLAGS):
-                self.closedAfterPeer += 1
-                self._closeHere(sock)
-                return False
-        except OSError:
-            # Nothing waiting and the peer still open (BlockingIOError), or
-            # an error, reported once and read past by release's own peek.
-            pass
-        return self.release(sock)
 
     def _drain(self, sock: _socket.socket) -> bool:
         """The rest of L{release}: read the queue out, or hand it over."""

@@ -210,7 +210,8 @@ class BrokerPort(unix.Port):
         try:
             self._acceptBatch(factory)
         finally:
-            factory.acceptBatchEnded(started)
+            if factory.answeredAtAccept:
+                factory.observeAccepted(started)
 
     def _acceptBatch(self, factory: BrokerFactory) -> None:
         """

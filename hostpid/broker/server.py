@@ -313,10 +313,7 @@ class BrokerFactory(Factory):
         that no descriptor's last reference is dropped in this thread.
         Without room in the descriptor table for a full message
         (L{PassedDescriptors.hasRoom}) the read peeks first and takes only
-        bytes that carry no descriptor.  An answered connection is released
-        later in the accept batch (L{PassedDescriptors.holdAnswered}, and
-        L{acceptBatchEnded} for the rest), when its client has most likely
-        closed: one system call less.
+        bytes that carry no descriptor.
         """
         passed = self.passed
         assert passed is not None
@@ -346,41 +343,13 @@ class BrokerFactory(Factory):
                 sock.send(reply, _SEND_FLAGS)
             except OSError:
                 pass
+        if passed.release(sock):
+            # Descriptors arrived after the request: the reply is already
+            # sent, but the transaction is counted for what the client did.
+            outcome = Outcome.DESCRIPTORS
         if outcome is _OK:
-            # Released a little later (PassedDescriptors.holdAnswered), when
-            # its client has most likely closed: one system call less.
             self.counts[_OK] += 1
             self.answeredAtAccept += 1
-            found = passed.holdAnswered(sock)
-            if found:
-                self._descriptorsAfterReply(found)
-            return None
-        if passed.release(sock):
-            outcome = Outcome.DESCRIPTORS
-        self.record(outcome)
+        else:
+            self.record(outcome)
         return None
-
-    def _descriptorsAfterReply(self, count: int) -> None:
-        """
-        C{count} answered transactions had descriptors queued behind their
-        request: the reply was sent, but each is counted for what the client
-        did (L{Outcome.DESCRIPTORS}), not as answered.
-        """
-        self.counts[_OK] -= count
-        for _ in range(count):
-            self.record(Outcome.DESCRIPTORS)
-
-    def acceptBatchEnded(self, started: float) -> None:
-        """
-        The port's accept batch that began at C{started} is over: release
-        the answered connections still held (mode received), and time the
-        batch's answers (L{observeAccepted}).  Called before the reactor
-        turn ends, so nothing is held across turns.
-        """
-        passed = self.passed
-        if passed is not None:
-            found = passed.releaseHeld()
-            if found:
-                self._descriptorsAfterReply(found)
-        if self.answeredAtAccept:
-            self.observeAccepted(started)
