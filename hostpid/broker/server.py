@@ -76,6 +76,7 @@ _LABELS = {
 
 _OK = Outcome.OK
 _REQUEST = wire.GET_HOST_PID_REQUEST
+_REQUEST_SIZE = wire.REQUEST_SIZE
 _INVALID_REPLY = wire.INVALID_REQUEST_RESPONSE
 _PID_MAX = wire.PID_MAX
 _OK_PREFIX = wire.OK_PREFIX
@@ -272,14 +273,14 @@ class BrokerFactory(Factory):
             sock.close()
             self.record(Outcome.SHORT)
             return None
-        if len(data) < wire.REQUEST_SIZE:
+        if len(data) < _REQUEST_SIZE:
             if data:
                 return data
             # End of file before any byte: the client went away.
             sock.close()
             self.record(Outcome.SHORT)
             return None
-        outcome, reply = answer(data[: wire.REQUEST_SIZE], sock, self.identifier, accepted)
+        outcome, reply = answer(data[:_REQUEST_SIZE], sock, self.identifier, accepted)
         if reply is not None:
             try:
                 sock.send(reply, _SEND_FLAGS)
@@ -331,13 +332,13 @@ class BrokerFactory(Factory):
             passed.release(sock)
             self.record(Outcome.DESCRIPTORS)
             return None
-        if len(data) < wire.REQUEST_SIZE:
+        if len(data) < _REQUEST_SIZE:
             if data:
                 return data
             passed.release(sock)
             self.record(Outcome.SHORT)
             return None
-        outcome, reply = answer(data[: wire.REQUEST_SIZE], sock, self.identifier, accepted)
+        outcome, reply = answer(data[:_REQUEST_SIZE], sock, self.identifier, accepted)
         if reply is not None:
             try:
                 sock.send(reply, _SEND_FLAGS)
