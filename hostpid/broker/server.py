@@ -152,10 +152,10 @@ def answer(
         return Outcome.PEER_GONE, None
     except PeerUnverified:
         return Outcome.PEER_CREDENTIALS, None
-    if pid > _PID_MAX:
+    if not 0 < pid <= _PID_MAX:
         return Outcome.PEER_CREDENTIALS, None
-    # wire.encode_ok's reply, its range check already made: host_pid
-    # returns only positive PIDs, and the bound is checked just above.
+    # wire.encode_ok's reply, its range check made just above (as a clean
+    # outcome rather than its ValueError, whatever the identifier returned).
     return _OK, _OK_PREFIX + pid.to_bytes(4, "big")
 
 
