@@ -93,7 +93,8 @@ class Response:
         return _RESPONSE.pack(self.magic, self.version, self.status, self.pid)
 
 
-_OK_PREFIX: bytes = _RESPONSE.pack(MAGIC, VERSION, Status.OK, 0)[:8]
+#: The success reply's first 8 bytes; the PID follows, 4 bytes big-endian.
+OK_PREFIX: bytes = _RESPONSE.pack(MAGIC, VERSION, Status.OK, 0)[:8]
 
 #: The one request a client ever sends.
 GET_HOST_PID_REQUEST: bytes = Request().encode()
@@ -129,7 +130,7 @@ def encode_ok(pid: int) -> bytes:
     """
     if not 1 <= pid <= PID_MAX:
         raise ValueError(f"host PID out of range: {pid}")
-    return _OK_PREFIX + pid.to_bytes(4, "big")
+    return OK_PREFIX + pid.to_bytes(4, "big")
 
 
 def parse_response(data: bytes) -> Response:

@@ -194,6 +194,22 @@ def test_bench_soak_reports_progress_on_stderr() -> None:
     assert seconds(main[-1]["left"]) < seconds(main[0]["left"])
 
 
+@pytest.mark.parametrize("mode", ["refused", "received"])
+def test_bench_micro_serves_every_connection_in_both_modes(mode: str) -> None:
+    """
+    C{bench/micro} times the broker's own accept path: every connection must
+    be answered (it loops until the factory counts them all), in either mode,
+    and the bare floor loop alongside.  Figures only, no speed asserted.
+    """
+    done = run_bench_script(
+        "micro", "--mode", mode, "--connections", "50", "--rounds", "2", "--floor"
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == [f"{mode} broker", f"{mode} floor"]
+    assert all(re.search(r"best \d+\.\d\d us, median \d+\.\d\d us", line) for line in lines)
+
+
 class FakeTerminal(io.StringIO):
     def isatty(self) -> bool:
         return True

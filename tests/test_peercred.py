@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import socket
 from pathlib import Path
 
 import pytest
-from support import accepted_from_exited_child
+from support import accepted_from_exited_child, in_child, require_root
 from twisted.logger import Logger
 
 from hostpid.peercred import (
@@ -64,6 +65,31 @@ def test_peer_that_exited_is_not_vouched_for(tmp_path: Path, signalCheck: bool) 
     with connection:
         with pytest.raises(PeerGone):
             identifier.host_pid(connection)
+
+
+def test_a_live_peer_the_broker_may_not_signal_is_still_vouched_for(pair) -> None:
+    """
+    C{pidfd_send_signal(pidfd, 0)} answers C{EPERM} for a process the caller
+    may not signal: it exists, so its PID is still its own.  Here the
+    identifier runs as UID 1000 and its peer is this (root) process.
+    """
+    require_root()
+    server, _client = pair
+
+    def work() -> int:
+        pidfd = peer_pidfd(server)
+        try:
+            signal.pidfd_send_signal(pidfd, 0)
+        except PermissionError:
+            pass
+        else:
+            return -2  # no EPERM: the case is not the one this test is about
+        finally:
+            os.close(pidfd)
+        return PeerIdentifier().host_pid(server)
+
+    _, answered = in_child(work, uid=1000)
+    assert answered == os.getpid()
 
 
 def test_pidfd_alive_tells_a_live_process_from_a_reaped_one() -> None:

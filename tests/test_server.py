@@ -66,8 +66,9 @@ def test_unverified_peer_gets_no_reply(pair, failure, outcome) -> None:
     assert answer(wire.GET_HOST_PID_REQUEST, pair[0], identifier) == (outcome, None)
 
 
-def test_pid_beyond_the_wire_range_is_never_sent(pair) -> None:
-    identifier = RecordingIdentifier(2**31)
+@pytest.mark.parametrize("pid", [2**31, 0, -1])
+def test_pid_beyond_the_wire_range_is_never_sent(pair, pid: int) -> None:
+    identifier = RecordingIdentifier(pid)
     assert answer(wire.GET_HOST_PID_REQUEST, pair[0], identifier) == (
         Outcome.PEER_CREDENTIALS, None,
     )

@@ -65,6 +65,9 @@ RESOURCE_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.EN
 #: Accept errors that concern one connection only: skip it.
 CONNECTION_ERRORS = frozenset({errno.ECONNABORTED, errno.EPERM, errno.EPROTO, errno.EINTR})
 
+_AF_UNIX = int(socket.AF_UNIX)
+_SOCK_STREAM = int(socket.SOCK_STREAM)
+
 BACKOFF_INITIAL = 0.005
 BACKOFF_MAX = 1.0
 
@@ -211,14 +214,21 @@ class BrokerPort(unix.Port):
                 factory.observeAccepted(started)
 
     def _acceptBatch(self, factory: BrokerFactory) -> None:
-        """One turn's accepts (see L{doRead})."""
+        """
+        One turn's accepts (see L{doRead}).  Everything the loop uses is a
+        local, and what concerns the batch rather than one connection (the
+        end of a pause, the backoff's reset) is done once, after the first
+        accept that succeeds.
+        """
         accept = self.socket._accept  # type: ignore[union-attr]
         admit = self.room.admit
+        answerWaiting = factory.answerWaiting
+        newSocket = _socket.socket
         turn = self._acceptsPerTurn
         accepted = 0
         for _ in range(turn):
             try:
-                fd, addr = accept()
+                fd, _addr = accept()
             except BlockingIOError:
                 self._acceptsPerTurn = max(1, accepted)
                 if self.pausedSince is not None:
@@ -232,12 +242,15 @@ class BrokerPort(unix.Port):
                     continue
                 self._onFatal(Failure())
                 return
+            if not accepted:
+                if self.pausedSince is not None:
+                    self._pauseEnded()
+                self._backoff = BACKOFF_INITIAL
             accepted += 1
-            if self.pausedSince is not None:
-                self._pauseEnded()
-            self._backoff = BACKOFF_INITIAL
-            skt = _socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, 0, fd)
-            prefix = factory.answerWaiting(skt)
+            # Plain ints: the module's constants are enum members.  (CPython
+            # still asks getsockname of the descriptor, whatever is passed.)
+            skt = newSocket(_AF_UNIX, _SOCK_STREAM, 0, fd)
+            prefix = answerWaiting(skt)
             if prefix is not None:
                 admit(skt, prefix)
         self._acceptsPerTurn = min(turn * 2, ACCEPTS_PER_TURN)
