@@ -1,0 +1,55 @@
+"""
+The kernel matrix: which kernels, which tests, and what counts as a failure.
+
+The subset is C{pytest -m kernel} (the C{kernel} mark, tests/kernelfeatures.py
+says which tests carry it and why).  A kernel's run fails when a guest test
+failed, when the VM produced no results (it did not boot, timed out, or
+pytest did not finish), or when the host's C{/tmp/vgpulock} changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from kernels import debian, vm
+
+WORKTREE = Path(__file__).resolve().parent.parent.parent
+
+#: The guest's pytest arguments: the kernel-sensitive subset, quietly.
+SUBSET: tuple[str, ...] = ("-m", "kernel", "-q", "-ra", "tests")
+
+
+def selected(series: Sequence[str] | None) -> list[debian.Kernel]:
+    if not series:
+        return list(debian.KERNELS)
+    chosen = [kernel for kernel in debian.KERNELS if kernel.series in series]
+    unknown = set(series) - {kernel.series for kernel in chosen}
+    if unknown:
+        raise SystemExit(f"no kernel {sorted(unknown)} in the matrix {debian.KERNELS}")
+    return chosen
+
+
+def run_kernel(
+    kernel: debian.Kernel, pytest_args: Sequence[str] | None = None,
+    timeout: float = vm.DEFAULT_TIMEOUT,
+) -> vm.GuestRun:
+    unpacked = debian.obtain(kernel)
+    return vm.run(unpacked, pytest_args or SUBSET, WORKTREE, timeout=timeout)
+
+
+def problem(run: vm.GuestRun) -> str | None:
+    """Why C{run} failed, or C{None}: one line naming what went wrong."""
+    if run.host_lock_parent_changed:
+        return f"the host's {vm.HOST_LOCK_PARENT} changed: {run.host_lock_parent_changed}"
+    if run.returncode is None:
+        return f"the VM was killed at its timeout; console: {run.job / 'console.log'}"
+    if not run.outcomes:
+        tail = "\n".join(run.console().splitlines()[-15:])
+        return f"the guest reported no test results (pytest rc {run.pytest_rc}); console:\n{tail}"
+    failed = run.failed()
+    if failed:
+        return f"{len(failed)} failed on {run.release}: " + ", ".join(o.nodeid for o in failed)
+    if run.pytest_rc not in (0,):
+        return f"the guest's pytest exited {run.pytest_rc}; log: {run.job / 'pytest.log'}"
+    return None
