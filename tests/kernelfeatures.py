@@ -213,6 +213,19 @@ def not_applicable_reason(feature: str) -> str:
 
 # -- the pytest plugin ---------------------------------------------------------
 
+
+def kernel_feature(*features: str) -> pytest.MarkDecorator:
+    """The mark for a test that needs C{features} (each a key of L{PROBES})."""
+    unknown = set(features) - set(PROBES)
+    if unknown:
+        raise KeyError(f"no probe for kernel features {sorted(unknown)}; known: {sorted(PROBES)}")
+    return pytest.mark.kernel_feature(*features)
+
+
+#: The broker's two descriptor modes as a test parameter: C{received} runs on
+#: every kernel, C{refused} only where the kernel has C{SO_PASSRIGHTS}.
+MODES = [pytest.param("refused", marks=kernel_feature("SO_PASSRIGHTS")), "received"]
+
 _NOT_APPLICABLE_KEY = pytest.StashKey[str]()
 
 

@@ -11,6 +11,7 @@ import socket
 from pathlib import Path
 
 import pytest
+from kernelfeatures import kernel_feature
 from twisted.logger import Logger
 
 from hostpid.peercred import (
@@ -22,6 +23,8 @@ from hostpid.peercred import (
     pidfd_alive,
     pidfd_current_pid,
 )
+
+pytestmark = pytest.mark.kernel
 
 
 def accepted_from_exited_child(path: Path) -> socket.socket:
@@ -57,6 +60,7 @@ def test_credentials_of_a_socketpair_are_ours(pair) -> None:
     )
 
 
+@kernel_feature("SO_PEERPIDFD")
 def test_pidfd_names_the_peer(pair) -> None:
     pidfd = peer_pidfd(pair[0])
     try:
@@ -65,6 +69,7 @@ def test_pidfd_names_the_peer(pair) -> None:
         os.close(pidfd)
 
 
+@kernel_feature("SO_PEERPIDFD")
 def test_identifier_vouches_for_a_live_peer_and_leaks_no_descriptor(pair) -> None:
     identifier = PeerIdentifier()
     before = fds()
@@ -74,6 +79,7 @@ def test_identifier_vouches_for_a_live_peer_and_leaks_no_descriptor(pair) -> Non
     assert identifier.pidfdSupported is True
 
 
+@kernel_feature("SO_PEERPIDFD")
 @pytest.mark.parametrize("signalCheck", [True, False], ids=["pidfd_send_signal", "ioctl"])
 def test_peer_that_exited_is_not_vouched_for(tmp_path: Path, signalCheck: bool) -> None:
     """Both liveness tests: signal 0 (the default here) and the pidfd's current PID."""

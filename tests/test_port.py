@@ -23,6 +23,8 @@ from hostpid.broker.descriptors import SCM_MAX_FD, BackgroundCloser, PassedDescr
 from hostpid.broker.port import BACKOFF_INITIAL, BACKOFF_MAX, CLOSER_RECHECK, BrokerPort
 from hostpid.broker.server import BrokerFactory
 
+pytestmark = pytest.mark.kernel
+
 
 class ScriptedListener:
     """A listening socket whose accept() fails or succeeds as scripted."""

@@ -39,7 +39,7 @@ from support import (
 
 from hostpid.broker.service import RECEIVE_DESCRIPTORS_ENV
 
-pytestmark = pytest.mark.privileged
+pytestmark = [pytest.mark.privileged, pytest.mark.kernel]
 
 #: The broker's soft and hard RLIMIT_NOFILE: 40 messages of 253 are ten times it.
 BROKER_NOFILE = 1024

@@ -31,12 +31,13 @@ from pathlib import Path
 
 import pytest
 from attackers import LINGERING_SOCKET
+from kernelfeatures import MODES, kernel_feature
 from support import as_user_argv, ask_pid, connect, require_root, running_broker, wait_for
 
 from hostpid import wire
 from hostpid.broker.service import RECEIVE_DESCRIPTORS_ENV
 
-pytestmark = pytest.mark.privileged
+pytestmark = [pytest.mark.privileged, pytest.mark.kernel]
 
 LINGER = 30
 #: A real client's bound: far below the linger time, generous for a shared machine.
@@ -101,8 +102,10 @@ def _broker_env(mode: str) -> dict[str, str]:
     return {RECEIVE_DESCRIPTORS_ENV: "1"} if mode == "received" else {}
 
 
-@pytest.mark.parametrize("how", ["whole", "split", "oob"])
-@pytest.mark.parametrize("mode", ["refused", "received"])
+@pytest.mark.parametrize(
+    "how", ["whole", "split", pytest.param("oob", marks=kernel_feature("UNIX_OOB"))]
+)
+@pytest.mark.parametrize("mode", MODES)
 def test_passed_lingering_socket_does_not_freeze_the_broker(
     public_tmp: Path, mode: str, how: str
 ) -> None:
@@ -136,6 +139,7 @@ def test_passed_lingering_socket_does_not_freeze_the_broker(
             assert "descriptor passing: forced by" in broker.output()
 
 
+@kernel_feature("SO_PASSRIGHTS")
 def test_so_passrights_is_inherited_by_accepted_connections(public_tmp: Path) -> None:
     """The option is set on the listener only; an accepted connection refuses too."""
     with running_broker(public_tmp / "broker") as broker:
@@ -169,7 +173,7 @@ def _broker_log_lines(output: str) -> int:
     return len(output.splitlines())
 
 
-@pytest.mark.parametrize("mode", ["refused", "received"])
+@pytest.mark.parametrize("mode", MODES)
 def test_descriptor_messages_do_not_flood_the_log(public_tmp: Path, mode: str) -> None:
     """1,000 connections x 7 one-byte messages, each with a descriptor: < 30 log lines."""
     with running_broker(public_tmp / "broker", env=_broker_env(mode)) as broker:

@@ -31,7 +31,7 @@ from support import (
 
 from hostpid import wire
 
-pytestmark = pytest.mark.privileged
+pytestmark = [pytest.mark.privileged, pytest.mark.kernel]
 
 #: Real clients, and the share of them that must be answered.
 CLIENTS = 200

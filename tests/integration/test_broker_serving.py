@@ -33,6 +33,8 @@ from support import (
 
 from hostpid import wire
 
+pytestmark = pytest.mark.kernel
+
 
 @pytest.fixture
 def broker(public_tmp: Path) -> Iterator[BrokerProcess]:

@@ -29,6 +29,8 @@ from support import (
 
 from hostpid import wire
 
+pytestmark = pytest.mark.kernel
+
 
 def in_new_pid_namespace() -> list[str]:
     require_root()
