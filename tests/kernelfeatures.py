@@ -108,12 +108,12 @@ def probe_so_peerpidfd_reaped() -> tuple[bool, str]:
     """
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     with server:
-        server.bind("\0hostpid-kernelfeatures-%d" % os.getpid())
+        server.bind(f"\0hostpid-kernelfeatures-{os.getpid()}")
         server.listen(1)
         child = os.fork()
         if child == 0:  # pragma: no cover - the child connects and exits
             client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            client.connect("\0hostpid-kernelfeatures-%d" % os.getppid())
+            client.connect(f"\0hostpid-kernelfeatures-{os.getppid()}")
             os._exit(0)
         os.waitpid(child, 0)
         conn, _ = server.accept()

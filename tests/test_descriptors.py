@@ -28,7 +28,6 @@ from hostpid.broker.descriptors import (
     unix_out_of_band_supported,
 )
 
-
 pytestmark = pytest.mark.kernel
 
 

@@ -34,6 +34,7 @@ from support import (
     open_fd_count,
     require_root,
     running_broker,
+    scaled,
     wait_for,
 )
 
@@ -44,9 +45,10 @@ pytestmark = [pytest.mark.privileged, pytest.mark.kernel]
 #: The broker's soft and hard RLIMIT_NOFILE: 40 messages of 253 are ten times it.
 BROKER_NOFILE = 1024
 CONNECTIONS = 40
-LINGER = 30
+#: Scaled, as the client's bound is (support.TIME_SCALE): the bound stays a sixth of it.
+LINGER = round(scaled(30))
 #: A real client's bound: far below the linger time, generous for a shared machine.
-CLIENT_BOUND = 5.0
+CLIENT_BOUND = scaled(5.0)
 ASKS = 30
 
 #: argv: socket path, connections, linger seconds.  Prints one JSON list of

@@ -32,16 +32,25 @@ from pathlib import Path
 import pytest
 from attackers import LINGERING_SOCKET
 from kernelfeatures import MODES, kernel_feature
-from support import as_user_argv, ask_pid, connect, require_root, running_broker, wait_for
+from support import (
+    as_user_argv,
+    ask_pid,
+    connect,
+    require_root,
+    running_broker,
+    scaled,
+    wait_for,
+)
 
 from hostpid import wire
 from hostpid.broker.service import RECEIVE_DESCRIPTORS_ENV
 
 pytestmark = [pytest.mark.privileged, pytest.mark.kernel]
 
-LINGER = 30
+#: Scaled, as the client's bound is (support.TIME_SCALE): the bound stays a sixth of it.
+LINGER = round(scaled(30))
 #: A real client's bound: far below the linger time, generous for a shared machine.
-CLIENT_BOUND = 5.0
+CLIENT_BOUND = scaled(5.0)
 
 #: argv: socket path, how many, linger seconds, how ("whole": the request and
 #: the socket in one message; "split": half the request, then the other half

@@ -124,16 +124,20 @@ def _configured_sources(etc: Path) -> Iterable[tuple[AptSource, tuple[str, ...]]
             )
 
 
-def machine_source(etc: Path = Path("/etc/apt")) -> AptSource:
+def machine_codename(os_release: Path = Path("/etc/os-release")) -> str | None:
+    for line in os_release.read_text().splitlines():
+        if line.startswith("VERSION_CODENAME="):
+            return line.split("=", 1)[1].strip().strip('"') or None
+    return None
+
+
+def machine_source(etc: Path = Path("/etc/apt"), codename: str | None = None) -> AptSource:
     """
     The machine's main Debian archive source: the one that serves its own
     release's suite (the codename in C{/etc/os-release}).  Security and
     update suites live elsewhere or carry a suffix, and are not it.
     """
-    codename = None
-    for line in Path("/etc/os-release").read_text().splitlines():
-        if line.startswith("VERSION_CODENAME="):
-            codename = line.split("=", 1)[1].strip().strip('"')
+    codename = codename or machine_codename()
     for source, suites in _configured_sources(etc):
         if source.uris and (codename in suites if codename else True):
             return source

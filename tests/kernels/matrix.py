@@ -9,6 +9,7 @@ pytest did not finish), or when the host's C{/tmp/vgpulock} changed.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -17,7 +18,11 @@ from kernels import debian, vm
 WORKTREE = Path(__file__).resolve().parent.parent.parent
 
 #: The guest's pytest arguments: the kernel-sensitive subset, quietly.
-SUBSET: tuple[str, ...] = ("-m", "kernel", "-q", "-ra", "tests")
+SUBSET: tuple[str, ...] = ("-m", "kernel", "-q", "-ra", "--durations=15", "tests")
+
+
+#: Each VM's hard timeout in the matrix: the subset took 3-5 minutes a kernel.
+VM_TIMEOUT = 600.0
 
 
 def selected(series: Sequence[str] | None) -> list[debian.Kernel]:
@@ -53,3 +58,30 @@ def problem(run: vm.GuestRun) -> str | None:
     if run.pytest_rc not in (0,):
         return f"the guest's pytest exited {run.pytest_rc}; log: {run.job / 'pytest.log'}"
     return None
+
+
+def record(kernel: debian.Kernel, run: vm.GuestRun, cache: Path = debian.CACHE) -> Path:
+    """
+    Keep C{run}'s summary (kernel, release, counts, times, probes, failures)
+    as JSON in its job directory and as the kernel's latest under
+    C{CACHE/results}, which L{kernels.doctable} turns into docs/kernels.md's table.
+    """
+    summary = {
+        "kernel": kernel.name, "suite": kernel.suite, "package": run.package,
+        "release": run.release, "features": run.features,
+        "passed": run.count("passed"), "not_applicable": run.count("not applicable"),
+        "failed": run.count("failed"), "skipped": run.count("skipped"),
+        "failures": [o.nodeid for o in run.failed()],
+        "not_applicable_tests": [
+            o.nodeid for o in run.outcomes if o.outcome == "not applicable"
+        ],
+        "boot_seconds": run.boot_seconds, "test_seconds": run.test_seconds,
+        "wall_seconds": run.wall_seconds, "problem": problem(run),
+    }
+    text = json.dumps(summary, indent=1, sort_keys=True) + "\n"
+    (run.job / "summary.json").write_text(text)
+    results = cache / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    latest = results / f"{kernel.name}.json"
+    latest.write_text(text)
+    return latest

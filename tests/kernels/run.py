@@ -27,6 +27,7 @@ def main() -> int:
     failed = False
     for kernel in matrix.selected(options.kernel):
         run = matrix.run_kernel(kernel, options.pytest_args or None)
+        matrix.record(kernel, run)
         print(run.summary(), flush=True)
         print(f"  job directory: {run.job}", flush=True)
         for outcome in run.failed():

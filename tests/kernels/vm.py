@@ -37,6 +37,9 @@ TIME_SCALE = 12
 #: Every VM is killed after this many seconds, whatever it is doing.
 DEFAULT_TIMEOUT = 900.0
 
+#: From QEMU's start to the guest's second stage (measured ~5 s).
+BOOT_BOUND = 20.0
+
 #: The guest's PID 1 after switch_root, seen through the overlay.
 STAGE2 = Path(__file__).resolve().with_name("guest-init.sh")
 
