@@ -14,7 +14,9 @@ Marks (registered here, loaded by tests/conftest.py):
    (tests/integration/test_never_wrong_pid.py) and eviction
    (tests/integration/test_metrics_limits.py).  Tests of file layout, wire
    format, CLI, CDI and deployment do not change with the kernel and stay
-   out: the whole suite under emulation would take over an hour.
+   out: the whole suite under emulation would take over an hour.  Every
+   C{test_attack_*.py} module is in the subset whether it says so or not
+   (L{pytest_collection_modifyitems}).
  - C{@pytest.mark.kernel_feature("SO_PASSRIGHTS", ...)}: the test needs
    these features.  Where the probe finds one absent the test reports
    C{not applicable: SO_PASSRIGHTS absent on 6.1.0-50-amd64}: not a pass,
@@ -239,6 +241,16 @@ def pytest_configure(config: pytest.Config) -> None:
         "kernel_feature(*names): needs these kernel features (tests/kernelfeatures.py); "
         "not applicable where a probe finds one absent",
     )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """
+    Every attack test is kernel-sensitive: a new C{test_attack_*.py} module
+    is in the matrix's subset without having to say so.
+    """
+    for item in items:
+        if item.path.name.startswith("test_attack_") and not item.get_closest_marker("kernel"):
+            item.add_marker(pytest.mark.kernel)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
