@@ -45,6 +45,9 @@ def scaled(seconds: float) -> float:
 #: Used for every bounded wait: generous, since CI machines are shared.
 WAIT_SECONDS = scaled(15.0)
 
+#: A raw client's socket timeout (L{connect}, L{exchange}, L{ask_pid}).
+CLIENT_TIMEOUT = scaled(5.0)
+
 
 def skip_or_fail(reason: str) -> None:
     """
@@ -232,7 +235,7 @@ def running_broker(directory: Path | str, *args: str, **kwargs: object) -> Itera
         broker.terminate()
 
 
-def connect(path: Path | str, timeout: float = 5.0) -> socket.socket:
+def connect(path: Path | str, timeout: float = CLIENT_TIMEOUT) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     try:
@@ -263,7 +266,7 @@ def read_until_eof(sock: socket.socket, limit: int = 64) -> bytes:
 
 
 def exchange(
-    path: Path | str, payload: bytes = wire.GET_HOST_PID_REQUEST, timeout: float = 5.0
+    path: Path | str, payload: bytes = wire.GET_HOST_PID_REQUEST, timeout: float = CLIENT_TIMEOUT
 ) -> bytes:
     """Send C{payload} on a fresh connection and return everything until EOF."""
     with connect(path, timeout) as sock:
@@ -271,7 +274,7 @@ def exchange(
         return read_until_eof(sock)
 
 
-def ask_pid(path: Path | str, timeout: float = 5.0) -> int | None:
+def ask_pid(path: Path | str, timeout: float = CLIENT_TIMEOUT) -> int | None:
     """The PID the broker reports for this process, or C{None} on any failure."""
     try:
         reply = exchange(path, timeout=timeout)
@@ -345,6 +348,27 @@ def listen_queue(path: Path | str) -> int:
 def listen_backlog(path: Path | str) -> int:
     """The accept queue's capacity (C{ss}'s C{Send-Q} for a listener)."""
     return _listener_queue(path)[1]
+
+
+def thread_states(pid: int) -> str:
+    """
+    Each thread of C{pid}: its name, state and where in the kernel it waits
+    (C{wchan}), for the message of a test that found a process stuck.
+    """
+    lines = []
+    for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
+        task = Path(f"/proc/{pid}/task/{tid}")
+        try:
+            state = task.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0]
+            name = task.joinpath("comm").read_text().strip()
+        except OSError:
+            continue
+        try:
+            wchan = task.joinpath("wchan").read_text().strip() or "-"
+        except OSError:
+            wchan = "?"
+        lines.append(f"{tid} {name} {state} {wchan}")
+    return "; ".join(lines)
 
 
 def cpu_seconds(pid: int) -> float:

@@ -35,6 +35,7 @@ from support import (
     require_root,
     running_broker,
     scaled,
+    thread_states,
     wait_for,
 )
 
@@ -117,7 +118,11 @@ def test_a_full_descriptor_table_does_not_freeze_the_broker(public_tmp: Path) ->
                 started = time.monotonic()
                 pid = ask_pid(broker.socket_path, timeout=CLIENT_BOUND)
                 waits.append(round(time.monotonic() - started, 3))
-                assert pid == os.getpid(), f"a real client was not answered: {waits}"
+                assert pid == os.getpid(), (
+                    f"a real client was not answered: {waits}; broker threads: "
+                    f"{thread_states(broker.pid)}; {open_fd_count(broker.pid)} descriptors; "
+                    f"log:\n{broker.output()[-3000:]}"
+                )
             # Every message was received (so the attack did run against a
             # table ten times too small for it) and the broker still answers.
             wait_for(lambda: "descriptors transactions so far: 32" in broker.output(),

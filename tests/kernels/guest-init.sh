@@ -39,7 +39,7 @@ cd "$WORKTREE" || poweroff
 cut -d' ' -f1 /proc/uptime > "$JOB/tests-started-at"
 # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words quoted by vm.py
 eval "set -- $PYTEST_ARGS"
-timeout --kill-after=10 "$GUEST_TIMEOUT" env HOSTPID_REQUIRE_PRIVILEGED=1 HOSTPID_KERNEL_MATRIX=0 \
+timeout --kill-after=10 "$GUEST_TIMEOUT" env HOSTPID_REQUIRE_PRIVILEGED=1 HOSTPID_KERNEL_MATRIX=0 PYTHONUNBUFFERED=1 \
     HOSTPID_TIME_SCALE="$TIME_SCALE" \
     "$PYTHON" -m pytest -p no:cacheprovider --junitxml="$JOB/junit.xml" "$@" \
     > "$JOB/pytest.log" 2>&1
