@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from hostpid import wire
+from hostpid import defaults, wire
 
 REPO = Path(__file__).resolve().parent.parent
 REQUIRE_PRIVILEGED = os.environ.get("HOSTPID_REQUIRE_PRIVILEGED") == "1"
@@ -156,6 +156,9 @@ class BrokerProcess:
         self.directory = Path(directory if directory is not None else "/var/run/hami/hostpid")
         self.socket_path = self.directory / "broker.sock"
         where = ["--directory", str(self.directory)] if directory is not None else []
+        if TIME_SCALE != 1 and not any(a.startswith("--deadline") for a in args):
+            # The broker's own timing bound: scaled like the tests' (TIME_SCALE).
+            args = [*args, "--deadline", str(scaled(defaults.DEADLINE))]
         extra = dict(env or {})
         environment = subprocess_env(extra)
         environment.pop("LIBVGPU_HOSTPID_BROKER", None)

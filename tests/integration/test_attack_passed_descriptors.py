@@ -39,6 +39,7 @@ from support import (
     require_root,
     running_broker,
     scaled,
+    thread_states,
     wait_for,
 )
 
@@ -201,7 +202,13 @@ def test_descriptor_messages_do_not_flood_the_log(public_tmp: Path, mode: str) -
                         results[outcome] = results.get(outcome, 0) + 1
         finally:
             os.close(passed)
-        assert ask_pid(broker.socket_path) == os.getpid()
+        started = time.monotonic()
+        answer = ask_pid(broker.socket_path)
+        assert answer == os.getpid(), (
+            f"not answered ({answer}) after {time.monotonic() - started:.1f} s, once the "
+            f"connections {results} were closed; broker threads: {thread_states(broker.pid)}; "
+            f"log:\n{broker.output()[-3000:]}"
+        )
         added = _broker_log_lines(broker.output()) - before
         assert added < 30, f"{added} log lines:\n{broker.output()[-3000:]}"
         if mode == "refused":

@@ -18,7 +18,7 @@ import os
 import pytest
 from support import REQUIRE_PRIVILEGED, require_root, require_tool
 
-from kernels import debian, matrix, vm
+from kernels import debian, guest_canary, matrix, vm
 
 SWITCH = os.environ.get("HOSTPID_KERNEL_MATRIX")
 
@@ -50,3 +50,22 @@ def test_kernel_sensitive_tests_pass_on(kernel: debian.Kernel) -> None:
     assert run.boot_seconds is not None and run.boot_seconds < vm.BOOT_BOUND, (
         f"{kernel.name} took {run.boot_seconds} s to boot (bound {vm.BOOT_BOUND} s)"
     )
+
+
+def test_guest_writes_never_reach_the_host() -> None:
+    """
+    The guest writes the host's C{/tmp/vgpulock/hostpid} and a file in the
+    host's tree (tests/kernels/guest_canary.py); afterwards the host's
+    C{/tmp/vgpulock} is as it was and the file does not exist here: what a
+    guest writes lands in its tmpfs overlay (or its own tmpfs C{/tmp}).
+    """
+    _wanted()
+    assert not guest_canary.CANARY.exists(), f"{guest_canary.CANARY} exists before the run"
+    kernel = debian.KERNELS[1]
+    run = matrix.run_kernel(
+        kernel, ["-q", str(guest_canary.CANARY.with_name("guest_canary.py"))],
+        timeout=300,
+    )
+    assert run.count("passed") == 1, f"the guest's canary did not run: {matrix.problem(run)}"
+    assert run.host_lock_parent_changed is None, run.host_lock_parent_changed
+    assert not guest_canary.CANARY.exists(), "a guest's write reached the host's tree"
