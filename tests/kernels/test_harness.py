@@ -6,6 +6,7 @@ in a subprocess, its junit read back the way the matrix reads a guest's).
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -137,3 +138,36 @@ def test_absent_feature_is_not_applicable_and_only_the_probe_may_say_so(
     }, result.stdout
     assert "only the probe may declare a test not applicable" in result.stdout
     assert "probing kernel feature BROKEN failed: EIO" in result.stdout
+
+
+def test_the_docs_table_is_made_from_the_recorded_probes(tmp_path: Path) -> None:
+    from kernels import doctable
+
+    (tmp_path / "results").mkdir()
+    features = {
+        "SO_PASSRIGHTS": {"present": False, "detail": "setsockopt: ENOPROTOOPT"},
+        "SO_PEERPIDFD": {"present": True, "detail": "getsockopt returns a pidfd"},
+        "SO_PEERPIDFD_REAPED": {"present": False, "detail": "getsockopt: EINVAL"},
+        "UNIX_OOB": {"present": True, "detail": "send MSG_OOB accepted"},
+        "pidfd_open": {"present": True, "detail": ""},
+        "pidfd_send_signal": {"present": True, "detail": ""},
+        "PIDFD_GET_INFO": {"present": False, "detail": "ioctl: ENOTTY"},
+    }
+    summary = {
+        "release": "6.12.95+deb12-amd64", "package": "linux-image-6.12.95+deb12-amd64",
+        "features": features, "passed": 60, "not_applicable": 5, "failed": 1,
+        "boot_seconds": 6.04, "test_seconds": 301.2, "problem": None,
+    }
+    (tmp_path / "results" / "6.12-bookworm-backports.json").write_text(json.dumps(summary))
+    document = tmp_path / "kernels.md"
+    document.write_text(f"before\n{doctable.BEGIN}\nstale\n{doctable.END}\nafter\n")
+    doctable.write(document, tmp_path)
+    text = document.read_text()
+    assert "stale" not in text and text.startswith("before\n") and text.endswith("after\n")
+    (row,) = [line for line in text.splitlines() if line.startswith("| 6.12.95")]
+    assert row == (
+        "| 6.12.95+deb12-amd64 (bookworm-backports, `linux-image-6.12.95+deb12-amd64`) "
+        "| `received` | `SO_PEERPIDFD` | no (getsockopt: EINVAL) | yes | yes/yes "
+        "| no (ioctl: ENOTTY) | 60 passed, 5 not applicable, 1 failed; boot 6.0 s, tests 301 s |"
+    )
+    assert "| 5.10 (bullseye) | not run |" in text
