@@ -304,6 +304,39 @@ def run_json(argv: Sequence[str], cpu: int | None, timeout: float) -> dict[str, 
     return result
 
 
+def run_json_many(
+    argvs: Sequence[Sequence[str]], cpu: int | None, timeout: float
+) -> list[dict[str, object]]:
+    """
+    Run several load generators at once (each pinned to C{cpu} if given) and
+    parse each one's JSON line: several tenants attacking together.
+    """
+    processes = [
+        subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         preexec_fn=child_setup(cpu))
+        for argv in argvs
+    ]
+    results: list[dict[str, object]] = []
+    failure = None
+    for argv, process in zip(argvs, processes, strict=True):
+        try:
+            out, err = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            out, err = process.communicate()
+        lines = out.decode().strip().splitlines()
+        if process.returncode != 0 or not lines:
+            failure = failure or (
+                f"load generator failed ({process.returncode}): {shlex.join(argv)}\n"
+                + err.decode(errors="replace")
+            )
+            continue
+        results.append(json.loads(lines[-1]))
+    if failure is not None:
+        raise RuntimeError(failure)
+    return results
+
+
 # --- Progress on stderr. ---
 
 

@@ -57,21 +57,23 @@ def _probe(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     """
     C{hostpid probe}: the operator's check of a running broker (and a
     container exec probe): one transaction, healthy only when the broker
-    names this very process.  One line either way.
+    names this very process.  One line either way.  The gate in this shell
+    decides nothing here; the healthy line reports it, so that an operator
+    sees at once whether a workload with this environment would ask.
     """
     from hostpid.client import blocking as client
 
     try:
         report = client.probe(args.socket, args.timeout)
     except client.HostPidUnavailable as problem:
-        line = _failure_line("probe", problem, args.socket)
-        if problem.check == client.GATE:
-            line = line.rstrip("\n") + f"; {args.socket} not probed\n"
-        stderr.write(line)
+        stderr.write(_failure_line("probe", problem, args.socket))
         return 1
+    gate = f"gate here: {report.gate.observed}"
+    if not report.gate.ok:
+        gate += " (information only: a workload asks only with '1')"
     stdout.write(
         f"{report.socket_path}: ok: answered PID {report.pid} (this process); "
-        f"{report.socket.observed}\n"
+        f"{report.socket.observed}; {gate}\n"
     )
     return 0
 
@@ -389,9 +391,10 @@ def build_parser() -> argparse.ArgumentParser:
         commands, "query",
         "ask the broker for this process's host PID, with every trust check",
         "Ask the broker for this process's host PID and print it, applying every client\n"
-        "trust check (gate, directory, socket, read-only mount, peer UID, reply): a\n"
-        "workload's question.  Exit 0 with the PID; 1 with one line on stderr naming the\n"
-        "check that failed and the path it looked at; 2 for a usage error.",
+        "trust check (gate, sandbox, directory, socket, read-only mount, peer UID,\n"
+        "peer PID, reply): a workload's question.  Exit 0 with the PID; 1 with one line\n"
+        "on stderr naming the check that failed and the path it looked at; 2 for a\n"
+        "usage error.",
     )
     _socket_option(query, defaults.CLIENT_SOCKET, "the broker socket as a workload sees it")
     _timeout_option(query)
@@ -403,9 +406,11 @@ def build_parser() -> argparse.ArgumentParser:
         "The operator's check of a running broker, from the host or the broker's own\n"
         "container (also a container exec probe): one transaction, healthy when the reply\n"
         "has status 0 and names this process's own PID.  Every trust check applies except\n"
-        "the read-only mount, which only a workload has; the gate LIBVGPU_HOSTPID_BROKER\n"
-        "must be 1 here too.  Exit 0 healthy (prints the PID and the socket's owner and\n"
-        "mode); 1 otherwise, with one line on stderr naming the path and what failed.",
+        "the read-only mount, which only a workload has.  The gate LIBVGPU_HOSTPID_BROKER\n"
+        "is not needed here (the probe is not a workload's decision to ask): it is\n"
+        "reported as information.  Exit 0 healthy (prints the PID, the socket's owner and\n"
+        "mode, and the gate seen here); 1 otherwise, with one line on stderr naming the\n"
+        "path and what failed.",
     )
     _socket_option(probe, defaults.BROKER_SOCKET, "the broker socket as the host sees it")
     _timeout_option(probe)

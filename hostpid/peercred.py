@@ -13,11 +13,20 @@ that process still exists, which is what makes its PID still its own:
 L{PeerIdentifier} answers only then.  Where that system call is refused (a
 seccomp filter), C{PIDFD_GET_INFO} (Linux 6.13+, else C{/proc/self/fdinfo})
 gives the pidfd's current PID instead, which must equal the one reported.
+
+Before Linux 6.5 there is no pidfd for the connecting process, only its PID.
+L{PeerIdentifier} then looks the PID up again with C{pidfd_open} (Linux
+5.3+), refuses it if the process it names started after the connection was
+accepted (L{hostpid.starttime}), and asks the same liveness question of that
+pidfd after reading the start time, so the start time read is that process's.
+A PID recycled before the accept (or within the accept's clock tick) is the
+window that remains; C{docs/security.md} states it.
 """
 
 from __future__ import annotations
 
 import _socket
+import enum
 import errno
 import fcntl
 import os
@@ -28,6 +37,8 @@ from collections.abc import Callable
 
 import attrs
 from twisted.logger import Logger
+
+from hostpid.starttime import TICK_NS, boottime_ns, proc_shows_own_namespace, started_after
 
 _UCRED = struct.Struct("3i")
 _SOL_SOCKET = int(socket.SOL_SOCKET)
@@ -94,6 +105,21 @@ def pidfd_alive(pidfd: int) -> bool:
     return True
 
 
+def pidfd_open_refusal(pidfdOpen: Callable[[int], int] = os.pidfd_open) -> OSError | None:
+    """
+    Why C{pidfd_open} cannot be used here, or C{None} if it can: opening a
+    pidfd for this very process must succeed.  A seccomp filter (container
+    runtimes' default profiles before they knew the call) answers C{EPERM}
+    or C{ENOSYS}.
+    """
+    try:
+        own = pidfdOpen(os.getpid())
+    except OSError as e:
+        return e
+    os.close(own)
+    return None
+
+
 def pidfd_signal_usable() -> bool:
     """
     Whether L{pidfd_alive} can be trusted here: signalling our own pidfd
@@ -154,7 +180,37 @@ class PeerCredentialsFailed(PeerUnverified):
 
 
 class PeerGone(PeerUnverified):
-    """The process that connected has exited (or its pidfd names another PID)."""
+    """The process that connected has exited (or its PID now names another process)."""
+
+
+class LivenessCheck(enum.Enum):
+    """
+    How L{PeerIdentifier} vouches that the connecting process is still the
+    one its PID names; the value names it in metrics and logs.
+    """
+
+    #: C{SO_PEERPIDFD} (Linux 6.5+): a pidfd for the very process that
+    #: connected, asked whether it still exists.
+    PEERPIDFD = "peerpidfd"
+    #: C{pidfd_open(pid)} (Linux 5.3+) after C{SO_PEERCRED}: the PID looked
+    #: up again, refused if its process started after the accept.
+    PIDFD_OPEN = "pidfd_open"
+    #: C{SO_PEERCRED} alone: no check (C{pidfd_open} refused, or for tests).
+    NONE = "none"
+
+
+#: C{SO_PEERPIDFD}'s answer for a peer that exited and was reaped on Linux
+#: 6.5-6.15: C{pidfd_prepare()} finds no thread-group task on the peer's
+#: C{struct pid} (C{EINVAL}; the 6.16 development branch's C{ESRCH} was
+#: turned back into C{EINVAL} in C{net/core/sock.c} before release).  From
+#: 6.16 the option passes C{PIDFD_STALE} and returns a pidfd for a reaped
+#: peer, which the liveness question then finds gone.
+PEERPIDFD_GONE = frozenset({errno.EINVAL})
+#: C{pidfd_open(pid)}'s answers for a PID that names no process (C{ESRCH}),
+#: or only a thread that is not a thread-group leader (C{EINVAL} before
+#: Linux 6.16, C{ENOENT} from 6.16): neither is the process that connected,
+#: whose PID was its thread-group ID.
+PIDFD_OPEN_GONE = frozenset({errno.ESRCH, errno.EINVAL, errno.ENOENT})
 
 
 class PeerIdentifier:
@@ -162,28 +218,84 @@ class PeerIdentifier:
     Finds the host PID of a connected peer, and vouches that the process that
     connected is still the one that PID names.
 
-    Where the kernel lacks C{SO_PEERPIDFD}, it falls back to C{SO_PEERCRED}
-    alone and says so once in the log; L{pidfdSupported} tells the metrics.
+    L{LivenessCheck.PEERPIDFD} where the kernel has C{SO_PEERPIDFD}; before
+    Linux 6.5, L{LivenessCheck.PIDFD_OPEN}; where C{pidfd_open} is refused,
+    C{SO_PEERCRED} alone (L{LivenessCheck.NONE}).  The fallback is found on
+    the first peer and said once in the log; L{check} tells the metrics.
 
-    @ivar pidfdSupported: C{None} until the first peer was checked, then
-        whether the pidfd check is in force.
+    Callers that know when a connection was accepted pass it to
+    L{host_pid} (a L{boottime_ns} reading taken after C{accept} returned):
+    L{acceptClock} is that clock while the check in force may need it, and
+    C{None} once it is known not to.
+
+    @ivar check: the check in force, or C{None} until the first peer.
     """
 
     log = Logger()
 
     def __init__(
         self,
-        usePidfd: bool = True,
+        check: LivenessCheck | None = None,
         peerPidfd: Callable[[_socket.socket], int] = peer_pidfd,
+        pidfdOpen: Callable[[int], int] = os.pidfd_open,
     ) -> None:
-        self.pidfdSupported: bool | None = None if usePidfd else False
+        """
+        @param check: C{None} to use the best the kernel offers; a
+            L{LivenessCheck} to force that one (tests of older kernels'
+            paths).  L{LivenessCheck.PIDFD_OPEN} still falls back to
+            L{LivenessCheck.NONE} where C{pidfd_open} is refused.
+        """
         self._peerPidfd = peerPidfd
+        self._pidfdOpen = pidfdOpen
+        self.check: LivenessCheck | None = None
+        self.acceptClock: Callable[[], int] | None = boottime_ns
+        #: Why C{pidfd_open} cannot be used, if it cannot.
+        self.pidfdOpenRefused = pidfd_open_refusal(pidfdOpen) if check is not _NONE else None
         #: Whether the liveness test is one C{pidfd_send_signal}, or (where
         #: that is refused) the pidfd's current PID compared with the reported one.
-        self.signalCheck = usePidfd and pidfd_signal_usable()
+        self.signalCheck = check is not _NONE and pidfd_signal_usable()
+        #: Whether C{/proc} shows this PID namespace, so start times can be read.
+        self.startTimes = proc_shows_own_namespace()
+        if check is not None:
+            self._settle(check)
 
-    def host_pid(self, sock: _socket.socket) -> int:
+    @property
+    def pidfdSupported(self) -> bool | None:
+        """C{None} until the first peer, then whether C{SO_PEERPIDFD} is in force."""
+        return None if self.check is None else self.check is _PEERPIDFD
+
+    def _settle(self, check: LivenessCheck) -> None:
+        if check is _PIDFD_OPEN and self.pidfdOpenRefused is not None:
+            check = _NONE
+        self.check = check
+        self.acceptClock = boottime_ns if check is _PIDFD_OPEN else None
+
+    def _noPeerPidfd(self) -> None:
+        """The first peer showed that this kernel has no C{SO_PEERPIDFD}: say what is used."""
+        self._settle(_PIDFD_OPEN)
+        if self.check is _PIDFD_OPEN:
+            self.log.warn(
+                "hostpid-broker: this kernel has no SO_PEERPIDFD; callers are checked with "
+                "pidfd_open and their start time (liveness check: pidfd_open; a PID reused "
+                "before the connection was accepted is not detected){procNote}",
+                procNote="" if self.startTimes else (
+                    "; /proc is not this PID namespace's, so start times are not compared"
+                ),
+            )
+        else:
+            refused = self.pidfdOpenRefused
+            self.log.warn(
+                "hostpid-broker: this kernel has no SO_PEERPIDFD and pidfd_open is refused "
+                "({error}); replies rest on SO_PEERCRED alone (liveness check: none; a caller "
+                "that exits after connecting is not detected)",
+                error=errno.errorcode.get(refused.errno or 0, str(refused)) if refused else "",
+            )
+
+    def host_pid(self, sock: _socket.socket, accepted: int = 0) -> int:
         """
+        @param accepted: when C{sock} was accepted (L{boottime_ns}), if
+            known; C{0} (unknown) leaves only the C{pidfd_open} lookup and
+            the liveness question, with no start-time rule.
         @raise PeerCredentialsFailed: no credentials, or PID not positive.
         @raise PeerGone: the connecting process is no longer there.
         """
@@ -196,20 +308,26 @@ class PeerIdentifier:
             raise PeerCredentialsFailed(e.strerror) from None
         if pid <= 0:
             raise PeerCredentialsFailed(f"PID {pid} (peer outside this PID namespace)")
-        if self.pidfdSupported is False:
+        check = self.check
+        if check is _PEERPIDFD or check is None:
+            try:
+                pidfd = self._peerPidfd(sock)
+            except OSError as e:
+                if e.errno in PEERPIDFD_GONE:
+                    # Only a kernel that knows the option says this (6.5-6.15).
+                    if check is None:
+                        self._settle(_PEERPIDFD)
+                    raise PeerGone(f"connected as PID {pid}, since exited and reaped") from None
+                if e.errno != errno.ENOPROTOOPT:
+                    raise PeerCredentialsFailed(f"SO_PEERPIDFD: {e.strerror}") from None
+                self._noPeerPidfd()
+                return self.host_pid(sock, accepted)
+            if check is None:
+                self._settle(_PEERPIDFD)
+        elif check is _PIDFD_OPEN:
+            pidfd = self._openStartedBefore(pid, accepted)
+        else:
             return pid
-        try:
-            pidfd = self._peerPidfd(sock)
-        except OSError as e:
-            if e.errno != errno.ENOPROTOOPT:
-                raise PeerCredentialsFailed(f"SO_PEERPIDFD: {e.strerror}") from None
-            self.pidfdSupported = False
-            self.log.warn(
-                "hostpid-broker: this kernel has no SO_PEERPIDFD; replies rest on "
-                "SO_PEERCRED alone (a caller that exits after connecting is not detected)"
-            )
-            return pid
-        self.pidfdSupported = True
         try:
             if self.signalCheck:
                 if pidfd_alive(pidfd):
@@ -223,3 +341,49 @@ class PeerIdentifier:
         if current != pid:
             raise PeerGone(f"connected as PID {pid}, now {current}")
         return pid
+
+    def _openStartedBefore(self, pid: int, accepted: int) -> int:
+        """
+        L{LivenessCheck.PIDFD_OPEN}'s first two steps: a pidfd for whatever
+        process C{pid} names now, refused if that process started after
+        C{accepted}.  L{host_pid} then asks the liveness question of the
+        pidfd: if its process is still alive after the start time was read,
+        C{pid} named it the whole time since C{pidfd_open}, so the start
+        time read was its own.
+
+        @return: the pidfd, which the caller closes.
+        """
+        try:
+            pidfd = self._pidfdOpen(pid)
+        except OSError as e:
+            if e.errno in PIDFD_OPEN_GONE:
+                raise PeerGone(f"connected as PID {pid}, since exited") from None
+            raise PeerCredentialsFailed(f"pidfd_open: {e.strerror}") from None
+        # A process pidfd_open found had started by now (its start is
+        # stamped before its PID is attached).  While now is still in the
+        # accept's clock tick, its start tick cannot be later than the
+        # accept's, so the rule cannot refuse it and /proc is not read: the
+        # usual case on the fast path, which checks within microseconds of
+        # the accept.
+        if not self.startTimes or not accepted or boottime_ns() // TICK_NS == accepted // TICK_NS:
+            return pidfd
+        try:
+            late = started_after(pid, accepted)
+        except ProcessLookupError:
+            os.close(pidfd)
+            raise PeerGone(f"connected as PID {pid}, since exited") from None
+        except OSError as e:
+            os.close(pidfd)
+            raise PeerCredentialsFailed(f"/proc/{pid}/stat: {e.strerror}") from None
+        except (ValueError, IndexError):
+            os.close(pidfd)
+            raise PeerCredentialsFailed(f"/proc/{pid}/stat: not understood") from None
+        if late:
+            os.close(pidfd)
+            raise PeerGone(f"PID {pid} names a process started after the connection was accepted")
+        return pidfd
+
+
+_PEERPIDFD = LivenessCheck.PEERPIDFD
+_PIDFD_OPEN = LivenessCheck.PIDFD_OPEN
+_NONE = LivenessCheck.NONE

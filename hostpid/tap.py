@@ -127,7 +127,13 @@ class Options(usage.Options):
          "requires root."],
         ["max-connections", None, defaults.MAX_CONNECTIONS,
          "Active transactions at most; when every slot is held, a newcomer takes the "
-         "slot of the oldest connection still waiting for its request.",
+         "slot of the oldest connection still waiting for its request from the peer "
+         "(process) holding the most.",
+         ],
+        ["max-waiting-per-peer", None, None,
+         "Connections still waiting for their request that one peer (process) may hold; "
+         "beyond them its newcomers are closed at accept.  Default: a sixteenth of "
+         "--max-connections (32 of 512), at least 1.",
          ],
         ["deadline", None, defaults.DEADLINE,
          "One deadline per transaction, from accept to reply, in seconds.",
@@ -153,6 +159,10 @@ class Options(usage.Options):
         with refuse_in_one_line():
             self["max-connections"] = _connections("--max-connections", self["max-connections"])
             self["deadline"] = _seconds("--deadline", self["deadline"])
+            if self["max-waiting-per-peer"] is not None:
+                self["max-waiting-per-peer"] = _connections(
+                    "--max-waiting-per-peer", self["max-waiting-per-peer"]
+                )
             if self["metrics"]:
                 self.metricsEndpoint = parse_metrics_endpoint(self["metrics"])
 
@@ -204,6 +214,7 @@ def _makeService(options: Options | dict[str, Any]) -> IService:
         directory=options["directory"],
         maxConnections=options["max-connections"],
         deadline=options["deadline"],
+        maxPerPeer=options.get("max-waiting-per-peer"),
         allowNonHostPidNamespace=bool(options["allow-non-host-pid-namespace"]),
         prepareNode=_specPublisher(options),
         lockParent=options.get("lock-parent", defaults.LOCK_PARENT),

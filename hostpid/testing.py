@@ -35,7 +35,7 @@ import attrs
 from twisted.logger import Logger
 
 from hostpid import defaults, wire
-from hostpid.client.trust import READ_ONLY_MOUNT, TrustPolicy
+from hostpid.client.trust import PEER_PID, READ_ONLY_MOUNT, TrustPolicy
 from hostpid.gate import ENABLED_VALUE, GATE_ENV
 from hostpid.peercred import peer_credentials
 
@@ -123,8 +123,11 @@ class FakeBroker:
         The policy under which the project's clients trust this broker as
         they trust the real one: every check on, except C{read-only-mount}
         (turned off by name: a temporary directory is not a read-only
-        mount), with this process's effective UID as the trusted UID (it
-        owns the directory and the socket, and listens on it).
+        mount) and C{peer-pid} (turned off by name: this double listens in
+        the calling process, which in a container, the usual place for CI,
+        is exactly what C{peer-pid} refuses there), with this process's
+        effective UID as the trusted UID (it owns the directory and the
+        socket, and listens on it).  Never copy this policy to a workload.
 
         @raise RuntimeError: the broker is not running.
         """
@@ -197,7 +200,7 @@ class FakeBroker:
         listener.listen(socket.SOMAXCONN)
         self._wake = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._policy = TrustPolicy(socket_path=path, trusted_uid=os.geteuid()).without(
-            READ_ONLY_MOUNT
+            READ_ONLY_MOUNT, PEER_PID
         )
         self._thread = threading.Thread(
             target=self._serve, name=f"hostpid FakeBroker {path}", daemon=True

@@ -30,3 +30,120 @@ def lingering(linger):
     keep.append(listener)
     return sock
 '''
+
+#: Defines C{nested(linger, how)} (with L{LINGERING_SOCKET}'s pieces): a Unix
+#: socket whose receive queue holds a lingering TCP socket, so that whoever
+#: drops the outer socket's last reference waits in C{tcp_close} too.  C{how}:
+#: C{"nested"} (Unix -> TCP), C{"double"} (Unix -> Unix -> TCP) or
+#: C{"garbage"} (a Unix socket carrying itself and the TCP socket: garbage
+#: once its holder closes it, freed only by the kernel's collector).  The
+#: peers that sent into the queues are kept in C{keep}.  Needs C{array},
+#: C{socket}, C{struct} and C{time}.
+#:
+#: Whoever closes the outer socket last waits, and that may be the attacker
+#: itself (the broker can close its copy before the attacker's own close
+#: returns): an interval timer interrupts the attacker's own lingering
+#: closes, so it never hangs in one.
+NESTED_LINGERING_SOCKETS = LINGERING_SOCKET + r'''
+import signal
+signal.signal(signal.SIGALRM, lambda *_: None)
+signal.siginterrupt(signal.SIGALRM, True)
+signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)
+def carrying(*inner):
+    outer, peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    fds = [s.fileno() for s in inner] or [outer.fileno()]
+    peer.sendmsg([b"n"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+    keep.append(peer)
+    return outer, peer
+def nested(linger, how):
+    tcp = lingering(linger)
+    if how == "nested":
+        outer, _ = carrying(tcp)
+    elif how == "double":
+        middle, _ = carrying(tcp)
+        outer, _ = carrying(middle)
+        middle.close()
+    else:
+        outer, peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        peer.sendmsg([b"n"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                               array.array("i", [tcp.fileno(), outer.fileno()]))])
+        keep.append(peer)
+    tcp.close()
+    return outer
+'''
+
+#: An idle flood: N silent connections to argv[1]; with argv[3] ==
+#: "reconnect" each one the broker closes is opened again at once (a blocking
+#: connect: it waits for room in the listen backlog).  It prints "ready" once
+#: N are open and runs until killed.  Standard library only.
+IDLE_FLOOD = r"""
+import selectors, socket, sys
+path, n, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+selector = selectors.DefaultSelector()
+def open_one():
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(path)
+        except BlockingIOError:
+            sock.close()
+            continue
+        sock.setblocking(False)
+        selector.register(sock, selectors.EVENT_READ)
+        return
+for _ in range(n):
+    open_one()
+print("ready", flush=True)
+while True:
+    for key, _ in selector.select():
+        try:
+            data = key.fileobj.recv(64)
+        except ConnectionError:
+            data = b""
+        if not data:
+            selector.unregister(key.fileobj)
+            key.fileobj.close()
+            if mode == "reconnect":
+                open_one()
+"""
+
+#: A reconnecting flood as fast as one process can make it (issue 19): N
+#: idle connections to argv[1], each reopened the moment the broker closes
+#: it, with non-blocking connects (one failing with EAGAIN, the backlog
+#: being full, is tried again a millisecond later), so a slot freed in the
+#: listen backlog is taken again at once.  Prints "ready" once N connects
+#: were tried, then "flooding" each time the broker has closed N of its
+#: connections; runs until killed.  Standard library only.
+RECONNECTING_FLOOD = r"""
+import select, socket, sys
+path, n = sys.argv[1], int(sys.argv[2])
+poller = select.epoll()
+held = {}
+retry = 0
+def open_one():
+    global retry
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+    try:
+        sock.connect(path)
+    except BlockingIOError:
+        sock.close()
+        retry += 1
+        return
+    held[sock.fileno()] = sock
+    poller.register(sock.fileno(), select.EPOLLIN)
+for _ in range(n):
+    open_one()
+print("ready", flush=True)
+closed = 0
+while True:
+    for fd, _ in poller.poll(0.001 if retry else -1, 512):
+        poller.unregister(fd)
+        held.pop(fd).close()
+        closed += 1
+        if closed % n == 0:
+            print("flooding", flush=True)
+        open_one()
+    pending, retry = retry, 0
+    for _ in range(pending):
+        open_one()
+"""

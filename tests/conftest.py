@@ -11,6 +11,7 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,6 +37,39 @@ def _host_lock_parent_state() -> tuple[int, ...] | None:
     return (st.st_mode, st.st_uid, st.st_gid, st.st_dev, st.st_ino, st.st_mtime_ns)
 
 
+#: The lock parent's state when the last test ended, and that test's ID:
+#: what the next test must find, so a change made between two tests (a
+#: module or session fixture's setup or teardown) is caught and placed too.
+_last_seen: tuple[tuple[int, ...] | None, str] | None = None
+
+
+def _describe(state: tuple[int, ...] | None) -> str:
+    if state is None:
+        return "absent"
+    mode, uid, gid, dev, ino, mtime_ns = state
+    return f"mode {mode:o} uid {uid} gid {gid} dev {dev} ino {ino} mtime_ns {mtime_ns}"
+
+
+def _entries() -> str:
+    """
+    What the lock parent holds now, each entry with its owner, mode and
+    change time (only on failure): a change time outside the test's own
+    time points at a background process left by an earlier test.
+    """
+    try:
+        names = sorted(os.listdir(HOST_LOCK_PARENT))
+    except OSError as e:
+        return f"(cannot list: {e.strerror})"
+    shown = []
+    for name in names:
+        try:
+            st = os.lstat(os.path.join(HOST_LOCK_PARENT, name))
+        except OSError:
+            continue
+        shown.append(f"{name} (mode {st.st_mode:o} uid {st.st_uid} ctime_ns {st.st_ctime_ns})")
+    return "; ".join(shown) or "(empty)"
+
+
 @pytest.fixture(scope="session", autouse=True)
 def host_lock_parent_untouched() -> Iterator[None]:
     """
@@ -44,14 +78,47 @@ def host_lock_parent_untouched() -> Iterator[None]:
     mtime that any entry created or removed in it changes.  Tests of the
     default paths run in a private mount namespace with their own C{/tmp}
     (L{support.run_with_private_tmp}); a test that reaches the real one is a
-    bug on the machine that runs the suite.
+    bug on the machine that runs the suite.  L{host_lock_parent_untouched_by_test}
+    names the test; this catches what happens after the last one.
     """
     before = _host_lock_parent_state()
     yield
     after = _host_lock_parent_state()
+    where = ""
+    if _last_seen is not None and _last_seen[0] != after:
+        where = f", after the last test, {_last_seen[1]} (a fixture's teardown)"
     assert after == before, (
-        f"the host's {HOST_LOCK_PARENT} changed while the suite ran "
-        f"(mode, uid, gid, dev, ino, mtime_ns): {before} -> {after}"
+        f"the host's {HOST_LOCK_PARENT} changed while the suite ran{where}: "
+        f"{_describe(before)} -> {_describe(after)}; it holds {_entries()}"
+    )
+
+
+@pytest.fixture(autouse=True)
+def host_lock_parent_untouched_by_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """
+    The same check around each test (issue 18: a change seen only at the end
+    of a run could not be placed): one C{lstat} before and one after, and a
+    failure that names the test that changed it, or the two tests between
+    which it changed (a fixture of a wider scope).
+    """
+    global _last_seen
+    test = request.node.nodeid
+    before = _host_lock_parent_state()
+    if _last_seen is not None and _last_seen[0] != before:
+        previous, _last_seen = _last_seen, (before, test)
+        pytest.fail(
+            f"the host's {HOST_LOCK_PARENT} changed between {previous[1]} and {test} "
+            f"(a fixture's setup or teardown): {_describe(previous[0])} -> {_describe(before)}; "
+            f"it holds {_entries()}"
+        )
+    started = time.time_ns()
+    yield
+    after = _host_lock_parent_state()
+    _last_seen = (after, test)
+    assert after == before, (
+        f"{test} changed the host's {HOST_LOCK_PARENT}: "
+        f"{_describe(before)} -> {_describe(after)}; it holds {_entries()}; "
+        f"the test ran from {started} to {time.time_ns()} (ns)"
     )
 
 

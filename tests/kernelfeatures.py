@@ -10,9 +10,11 @@ Marks (registered here, loaded by tests/conftest.py):
    subset is every test whose outcome a kernel can change: the descriptor
    modes (tests/test_descriptors.py, tests/test_port.py), peer
    identification (tests/test_peercred.py), the attack tests
-   (tests/integration/test_attack_*.py), never-wrong-PID
-   (tests/integration/test_never_wrong_pid.py) and eviction
-   (tests/integration/test_metrics_limits.py).  Tests of file layout, wire
+   (tests/integration/test_attack_*.py), the bounded close
+   (tests/test_closewatch.py), never-wrong-PID and the liveness check
+   (tests/integration/test_never_wrong_pid.py, test_pid_reuse.py,
+   tests/test_starttime.py), serving and eviction
+   (tests/integration/test_broker_serving.py, test_metrics_limits.py).  Tests of file layout, wire
    format, CLI, CDI and deployment do not change with the kernel and stay
    out: the whole suite under emulation would take over an hour.  Every
    C{test_attack_*.py} module is in the subset whether it says so or not

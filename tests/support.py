@@ -13,6 +13,7 @@ import re
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -24,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from hostpid import defaults, wire
+from hostpid.peercred import peer_credentials
 
 REPO = Path(__file__).resolve().parent.parent
 REQUIRE_PRIVILEGED = os.environ.get("HOSTPID_REQUIRE_PRIVILEGED") == "1"
@@ -47,6 +49,19 @@ WAIT_SECONDS = scaled(15.0)
 
 #: A raw client's socket timeout (L{connect}, L{exchange}, L{ask_pid}).
 CLIENT_TIMEOUT = scaled(5.0)
+
+#: Multiplies the time bounds that stand for a real client's own deadline,
+#: for runs under emulation (QEMU), where everything is several times slower.
+TIME_SCALE_ENV = "HOSTPID_TIME_SCALE"
+
+
+def time_scale() -> float:
+    """C{HOSTPID_TIME_SCALE} as a number (1 when unset or not a positive number)."""
+    try:
+        scale = float(os.environ.get(TIME_SCALE_ENV, "1"))
+    except ValueError:
+        return 1.0
+    return scale if scale > 0 else 1.0
 
 
 def skip_or_fail(reason: str) -> None:
@@ -291,6 +306,34 @@ def ask_pid(path: Path | str, timeout: float = CLIENT_TIMEOUT) -> int | None:
     return response.pid
 
 
+def in_child(work, uid: int | None = None) -> tuple[int, int]:
+    """
+    Fork; in the child optionally become C{uid}, run C{work()} -> int and
+    report it.  No exec: the child is this very program, as a workload is.
+
+    @return: (child's PID, what C{work} returned; -1 on failure).
+    """
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        try:
+            os.close(read_end)
+            if uid is not None:
+                os.setgroups([])
+                os.setgid(uid)
+                os.setuid(uid)
+            result = work()
+            os.write(write_end, struct.pack("q", -1 if result is None else result))
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as reader:
+        data = reader.read()
+    os.waitpid(pid, 0)
+    assert len(data) == 8, "the child reported nothing"
+    return pid, struct.unpack("q", data)[0]
+
+
 def nspid(pid: int) -> list[int]:
     """The C{NSpid} line of C{/proc/PID/status}: host PID first, innermost last."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -480,3 +523,25 @@ def run_with_private_tmp(
     import json
 
     return result, json.loads(text) if text else {}
+
+
+def accepted_from_exited_child(path: Path) -> socket.socket:
+    """
+    A server-side connection whose client process connected, exited, and was
+    reaped before the server looked at it.
+    """
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(os.fspath(path))
+    listener.listen(1)
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the child
+        try:
+            client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            client.connect(os.fspath(path))
+        finally:
+            os._exit(0)
+    os.waitpid(child, 0)
+    connection, _ = listener.accept()
+    listener.close()
+    assert peer_credentials(connection).pid == child
+    return connection

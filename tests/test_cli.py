@@ -64,9 +64,12 @@ def run_hostpid(
     return subprocess.CompletedProcess(process.args, process.returncode, out, err), process.pid
 
 
-def healthy_line(socket_path: Path | str, pid: int) -> str:
+def healthy_line(socket_path: Path | str, pid: int, gate: str = "LIBVGPU_HOSTPID_BROKER='1'"
+                 ) -> str:
+    """The probe's healthy line; C{gate} is what it reports of its own environment."""
     return (
-        f"{socket_path}: ok: answered PID {pid} (this process); socket, uid 0, mode 0666\n"
+        f"{socket_path}: ok: answered PID {pid} (this process); socket, uid 0, mode 0666; "
+        f"gate here: {gate}\n"
     )
 
 
@@ -159,6 +162,27 @@ class TestProbeHealthy:
         assert done.stdout == healthy_line(broker.socket_path, pid)
         assert done.stderr == ""
 
+    @pytest.mark.parametrize("gate", [None, "0", "true"])
+    def test_the_probe_needs_no_gate_in_the_operators_shell(
+        self, root_directory: Path, gate: str | None
+    ) -> None:
+        """
+        Issue 21: an operator checking the broker from the host, in a shell
+        without the workload's gate (or with it off), is answered, and told
+        the gate it has as information.  Before, this was "gate check failed:
+        LIBVGPU_HOSTPID_BROKER unset; ... not probed", exit 1.
+        """
+        env = {} if gate is None else {"LIBVGPU_HOSTPID_BROKER": gate}
+        with running_broker(root_directory) as broker:
+            done, pid = run_hostpid("probe", "--socket", str(broker.socket_path), env=env)
+        assert done.returncode == 0, done.stderr
+        seen = ("LIBVGPU_HOSTPID_BROKER unset" if gate is None
+                else f"LIBVGPU_HOSTPID_BROKER={gate!r}")
+        assert done.stdout == healthy_line(
+            broker.socket_path, pid, f"{seen} (information only: a workload asks only with '1')"
+        )
+        assert done.stderr == ""
+
     def test_the_probe_does_not_require_a_read_only_mount_but_query_does(
         self, root_directory: Path
     ) -> None:
@@ -248,8 +272,8 @@ class TestProbeFailures:
     def test_broker_disabled(self, root_directory: Path) -> None:
         """
         A broker started with the gate off serves nothing: the probe says
-        what is missing.  A probe whose own gate is off does not probe at all
-        (in the broker's container, that is the broker's gate).
+        what is missing, whatever the probe's own gate.  (The DaemonSets skip
+        the probe while the broker's gate is off: test_deploy.py.)
         """
         with BrokerProcess(root_directory, gate="0") as broker:
             wait_for(
@@ -257,22 +281,13 @@ class TestProbeFailures:
                 "the broker to say it is disabled",
             )
             assert broker.process.poll() is None, broker.output()
-            done, _ = run_hostpid("probe", "--socket", str(broker.socket_path))
-            assert done.returncode == 1
-            assert done.stderr == (
-                f"hostpid probe: directory check failed: {root_directory}: "
-                "cannot open: ENOENT (No such file or directory)\n"
-            )
-        with running_broker(root_directory) as broker:
-            done, _ = run_hostpid(
-                "probe", "--socket", str(broker.socket_path),
-                env={"LIBVGPU_HOSTPID_BROKER": "0"},
-            )
-        assert (done.returncode, done.stdout) == (1, "")
-        assert done.stderr == (
-            "hostpid probe: gate check failed: LIBVGPU_HOSTPID_BROKER='0'; "
-            f"{broker.socket_path} not probed\n"
-        )
+            for env in (ENABLED, {}):
+                done, _ = run_hostpid("probe", "--socket", str(broker.socket_path), env=env)
+                assert (done.returncode, done.stdout) == (1, ""), env
+                assert done.stderr == (
+                    f"hostpid probe: directory check failed: {root_directory}: "
+                    "cannot open: ENOENT (No such file or directory)\n"
+                ), env
 
     def test_broker_of_another_owner(self, public_tmp: Path) -> None:
         """A real broker run by UID 1000: its directory is not root's."""
@@ -385,3 +400,5 @@ def test_probe_library_reports_what_it_checked(root_directory: Path) -> None:
     assert report.pid == os.getpid()
     assert report.socket.name == "socket" and report.socket.ok
     assert report.socket.observed == "socket, uid 0, mode 0666"
+    assert (report.gate.name, report.gate.ok) == ("gate", True)
+    assert report.gate.observed == "LIBVGPU_HOSTPID_BROKER='1'"

@@ -105,17 +105,20 @@ class TestPolicy:
 
     def test_checks_in_order(self) -> None:
         assert client.CHECKS == (
-            "gate", "directory", "socket", "read-only-mount", "peer-uid", "reply"
+            "gate", "sandbox", "directory", "socket", "read-only-mount", "peer-uid", "peer-pid",
+            "reply",
         )
 
-    @pytest.mark.parametrize("name", ["directory", "socket", "read-only-mount", "peer-uid"])
+    @pytest.mark.parametrize(
+        "name", ["directory", "socket", "read-only-mount", "peer-uid", "peer-pid"]
+    )
     def test_turn_off_by_name(self, name: str) -> None:
         policy = client.TrustPolicy().without(name)
         assert not policy.enforces(name)
         assert policy.turned_off == {name}
         assert client.TrustPolicy().enforces(name), "without() must not change the original"
 
-    @pytest.mark.parametrize("name", ["gate", "reply", "connect", "deadline"])
+    @pytest.mark.parametrize("name", ["gate", "sandbox", "reply", "connect", "deadline"])
     def test_mandatory_checks_cannot_be_turned_off(self, name: str) -> None:
         with pytest.raises(ValueError, match="cannot be turned off"):
             client.TrustPolicy().without(name)
@@ -476,6 +479,8 @@ class TestRealBroker:
         assert verdicts["read-only-mount"] == (False, "read-write mount")
         assert verdicts["connect"] == (True, "connected")
         assert verdicts["peer-uid"] == (True, f"uid 0 (pid {real_broker.pid})")
+        assert verdicts["peer-pid"][0] is True
+        assert verdicts["sandbox"][0] is True
         assert verdicts["reply"] == (True, f"host PID {os.getpid()}")
 
 
@@ -572,13 +577,17 @@ class TestCommandLine:
             monkeypatch.setenv("LIBVGPU_HOSTPID_BROKER", "true")
             status, out, err = run_cli("doctor", "--socket", str(broker.path))
         assert status == 1 and err == ""
-        assert out.splitlines() == [
+        lines = out.splitlines()
+        assert lines[1].startswith("sandbox ok not sandboxed: kernel ")
+        assert lines[:1] + lines[2:] == [
             "gate FAIL LIBVGPU_HOSTPID_BROKER='true'",
             f"directory FAIL {directory}: directory, uid 0, mode 0777: group or other may write",
             "socket ok socket, uid 0, mode 0755",
             f"read-only-mount FAIL {directory}: read-write mount",
             "connect ok connected",
             f"peer-uid ok uid 0 (pid {os.getpid()})",
+            f"peer-pid ok pid {os.getpid()}: this process, in the host PID namespace (a broker "
+            "embedded in it)",
             "reply ok host PID 4242",
         ]
 
@@ -588,13 +597,13 @@ class TestCommandLine:
         assert status == 1
         lines = out.splitlines()
         assert [line.split()[:2] for line in lines] == [
-            [name, "FAIL"] for name in client.DOCTOR_CHECKS
+            [name, "ok" if name == "sandbox" else "FAIL"] for name in client.DOCTOR_CHECKS
         ]
         assert lines[0] == "gate FAIL LIBVGPU_HOSTPID_BROKER unset"
-        assert lines[1] == (
+        assert lines[2] == (
             f"directory FAIL {tmp_path / 'none'}: cannot open: ENOENT (No such file or directory)"
         ), "the path checked is named, as query names it"
-        assert lines[4] == "connect FAIL not tried: no socket to connect to"
+        assert lines[5] == "connect FAIL not tried: no socket to connect to"
 
     def test_doctor_reports_a_trickling_reply(
         self, directory: Path, monkeypatch: pytest.MonkeyPatch

@@ -10,8 +10,9 @@ Why each check exists:
   API server would reject is found here, not during a rollout.
 - Schemas cannot express the design's rules (the broker is never enabled
   without the host PID namespace; the workload's broker mount is read-only; the
-  broker runs as root; probes hit C{/healthz} and C{/readyz} on the metrics
-  port).  L{pod_rule_violations} states them, and negative tests prove that it
+  broker runs as root; the kubelet's probes are exec C{hostpid probe} on the
+  broker socket, never a TCP port a tenant can flood).  L{pod_rule_violations}
+  states them, and negative tests prove that it
   flags each broken rule, so a passing check means something.
 - The commands the recipes run (the Containerfile's entry point, the
   DaemonSet's container, the systemd unit's C{ExecStart}) are run for real
@@ -38,6 +39,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -52,6 +54,7 @@ import yaml
 from support import (
     REPO,
     TWISTD,
+    WAIT_SECONDS,
     DefaultLayout,
     ask_pid,
     require_root,
@@ -80,9 +83,35 @@ BROKER_DIRECTORY = defaults.BROKER_DIRECTORY
 LOCK_PARENT = "/tmp/vgpulock"
 WORKLOAD_BROKER_MOUNT = "/tmp/vgpulock/hostpid"
 BROKER_COMMAND = ["twistd", "--nodaemon", "--pidfile=", "hostpid-broker"]
-#: The exec probe where the metrics port is off: C{hostpid probe}, skipped
-#: while the broker's gate is off (the broker's own rule: only "1" enables).
-EXEC_PROBE = ["sh", "-c", '[ "$LIBVGPU_HOSTPID_BROKER" != 1 ] || exec hostpid probe']
+#: Both probes of both DaemonSets (issue 19): C{hostpid probe} on the broker
+#: socket, skipped while the broker's gate is off (the broker's own rule: only
+#: "1" enables), with the probe's own deadline.  No TCP port decides them.
+EXEC_PROBE = re.compile(
+    r'\[ "\$LIBVGPU_HOSTPID_BROKER" != 1 \] \|\| '
+    r"exec hostpid probe --socket (?P<socket>/\S+) --timeout (?P<deadline>[0-9.]+)"
+)
+#: The smallest CPU request the rules accept: 10m is the smallest CFS weight there
+#: is (what the DaemonSet requested before issue 19), and 100m a small pod's.
+MIN_CPU_REQUEST_MILLICORES = 100
+
+
+def exec_probe_deadline(probe: Mapping[str, Any] | None) -> float | None:
+    """The C{--timeout} of an exec C{hostpid probe} on the broker socket, else C{None}."""
+    if probe is None or set(probe) & {"httpGet", "tcpSocket", "grpc"}:
+        return None
+    command = probe.get("exec", {}).get("command", [])
+    if len(command) != 3 or command[:2] != ["sh", "-c"]:
+        return None
+    found = EXEC_PROBE.fullmatch(command[2])
+    if found is None or found["socket"] != f"{BROKER_DIRECTORY}/broker.sock":
+        return None
+    return float(found["deadline"])
+
+
+def millicores(quantity: object) -> float:
+    """A Kubernetes CPU quantity (C{100m}, C{0.5}, C{2}) in millicores."""
+    text = str(quantity)
+    return float(text[:-1]) if text.endswith("m") else float(text) * 1000
 
 
 # --- reading the recipes -------------------------------------------------------------
@@ -160,17 +189,6 @@ def metrics_port(argv: Sequence[str]) -> int | None:
     return None
 
 
-def probe_port(container: Mapping[str, Any], probe: Mapping[str, Any]) -> int | None:
-    """The container port an httpGet probe targets (by number or by port name)."""
-    port = probe.get("httpGet", {}).get("port")
-    if isinstance(port, int):
-        return port
-    for declared in container.get("ports", []):
-        if declared.get("name") == port:
-            return int(declared["containerPort"])
-    return None
-
-
 # --- the design's rules ----------------------------------------------------------------
 
 
@@ -183,8 +201,11 @@ def pod_rule_violations(spec: Mapping[str, Any], where: str) -> list[str]:
     while the gate is off, so that enabling is a one-variable change); root;
     no capability; the gate set literally; C{--nodaemon --pidfile=}; the broker
     directory from a C{DirectoryOrCreate} hostPath at the same path, writable;
-    liveness on C{/healthz} and readiness on C{/readyz}, both on the
-    C{--metrics} port; requests and limits.
+    liveness and readiness exec C{hostpid probe} on the broker socket (no TCP
+    port a tenant could flood decides them), each with a kubelet timeout that
+    outlasts its deadline; CPU and memory requests, the CPU request a real CFS
+    weight, no CPU limit under one core (a quota stalls bursts), a memory
+    limit.
 
     Any container with the broker mount (a workload): read-only, from the
     broker directory, below a writable lock parent listed first.
@@ -251,22 +272,36 @@ def pod_rule_violations(spec: Mapping[str, Any], where: str) -> list[str]:
             declared = {p.get("containerPort") for p in container.get("ports", [])}
             if "--metrics" in argv and (port is None or port not in declared):
                 problems.append(f"{name}: --metrics must listen on a declared containerPort")
-            for kind, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
+            for kind in ("livenessProbe", "readinessProbe"):
                 probe = container.get(kind)
-                if "--metrics" not in argv:
-                    if probe is None or probe.get("exec", {}).get("command") != EXEC_PROBE:
-                        problems.append(
-                            f"{name}: without --metrics, {kind} must be exec {EXEC_PROBE}"
-                        )
-                elif probe is None or probe.get("httpGet", {}).get("path") != path:
-                    problems.append(f"{name}: {kind} must be httpGet {path}")
-                elif probe_port(container, probe) != port:
-                    problems.append(f"{name}: {kind} must target the --metrics port {port}")
+                deadline = exec_probe_deadline(probe)
+                if probe is None or deadline is None:
+                    problems.append(
+                        f"{name}: {kind} must be exec sh -c '{EXEC_PROBE.pattern}' on "
+                        f"{BROKER_DIRECTORY}/broker.sock"
+                    )
+                elif probe.get("timeoutSeconds", 1) < deadline + 1:
+                    problems.append(
+                        f"{name}: {kind} timeoutSeconds must outlast the probe's --timeout "
+                        f"{deadline:g} by 1 s"
+                    )
 
             resources = container.get("resources", {})
-            for bound in ("requests", "limits"):
-                if not {"cpu", "memory"} <= set(resources.get(bound, {})):
-                    problems.append(f"{name}: set resources.{bound} for cpu and memory")
+            requests, limits = resources.get("requests", {}), resources.get("limits", {})
+            if not {"cpu", "memory"} <= set(requests):
+                problems.append(f"{name}: set resources.requests for cpu and memory")
+            elif millicores(requests["cpu"]) < MIN_CPU_REQUEST_MILLICORES:
+                problems.append(
+                    f"{name}: resources.requests.cpu {requests['cpu']} is below "
+                    f"{MIN_CPU_REQUEST_MILLICORES}m: no real CFS weight on a busy node"
+                )
+            if "memory" not in limits:
+                problems.append(f"{name}: set resources.limits.memory")
+            if "cpu" in limits and millicores(limits["cpu"]) < 1000:
+                problems.append(
+                    f"{name}: resources.limits.cpu {limits['cpu']} is a CFS quota that stalls a "
+                    "burst for the rest of its period: none, or at least 1"
+                )
 
             problems += cdi_rule_violations(name, argv, mounts, volumes)
 
@@ -496,19 +531,34 @@ BROKEN_DAEMONSETS: dict[str, tuple[Callable[[dict, dict], None], str]] = {
         "must be DirectoryOrCreate"),
     "broker directory read-only": (
         lambda spec, c: c["volumeMounts"][0].update(readOnly=True), "must be writable"),
-    "readiness on /healthz": (
-        lambda spec, c: _set(c, "readinessProbe.httpGet.path", "/healthz"),
-        "readinessProbe must be httpGet /readyz"),
+    "liveness over the metrics port (the old probe)": (
+        lambda spec, c: c.update(livenessProbe={"httpGet": {"path": "/healthz",
+                                                            "port": "metrics"}}),
+        "livenessProbe must be exec"),
+    "readiness over the metrics port": (
+        lambda spec, c: c.update(readinessProbe={"httpGet": {"path": "/readyz",
+                                                             "port": "metrics"}}),
+        "readinessProbe must be exec"),
     "liveness missing": (
-        lambda spec, c: c.pop("livenessProbe"), "livenessProbe must be httpGet /healthz"),
-    "probe on another port": (
-        lambda spec, c: _set(c, "livenessProbe.httpGet.port", 8080), "the --metrics port"),
+        lambda spec, c: c.pop("livenessProbe"), "livenessProbe must be exec"),
+    "probe on another socket": (
+        lambda spec, c: c["livenessProbe"]["exec"]["command"].__setitem__(
+            2, c["livenessProbe"]["exec"]["command"][2].replace(
+                "hostpid/broker.sock", "other/broker.sock")),
+        "livenessProbe must be exec"),
+    "probe timeout shorter than its deadline": (
+        lambda spec, c: _set(c, "livenessProbe.timeoutSeconds", 3),
+        "livenessProbe timeoutSeconds must outlast the probe's --timeout 3"),
+    "the smallest CFS weight": (
+        lambda spec, c: _set(c, "resources.requests.cpu", "10m"), "no real CFS weight"),
+    "a tight CPU limit": (
+        lambda spec, c: _set(c, "resources.limits.cpu", "500m"), "stalls a burst"),
     "gate unset": (
         lambda spec, c: c.pop("env"), "must set LIBVGPU_HOSTPID_BROKER explicitly"),
     "stale pidfile possible": (
         lambda spec, c: c["command"].remove("--pidfile="), "--nodaemon --pidfile="),
-    "no limits": (
-        lambda spec, c: c["resources"].pop("limits"), "resources.limits"),
+    "no memory limit": (
+        lambda spec, c: c["resources"].pop("limits"), "resources.limits.memory"),
     "cdi dir not mounted": (
         lambda spec, c: _drop_mount(c, "/var/run/cdi"), "--cdi-dir /var/run/cdi must be mounted"),
     "cdi dir from another host path": (
@@ -544,7 +594,8 @@ def _volume(spec: dict[str, Any], container: dict[str, Any], path: str) -> dict[
 def without_metrics(doc: Mapping[str, Any]) -> dict[str, Any]:
     """
     What C{variants/20-daemonset-without-metrics.yaml} must be: the DaemonSet
-    with no C{--metrics}, no port, no scrape annotations, and exec probes.
+    with no C{--metrics}, no port, no scrape annotations (the probes are the
+    same exec probes).
     """
     doc = copy.deepcopy(dict(doc))
     template = doc["spec"]["template"]
@@ -556,18 +607,10 @@ def without_metrics(doc: Mapping[str, Any]) -> dict[str, Any]:
     del args[index : index + 2]
     if not args:
         container.pop("args")
-    container["livenessProbe"] = {
-        "exec": {"command": EXEC_PROBE}, "periodSeconds": 10, "timeoutSeconds": 5,
-        "failureThreshold": 3,
-    }
-    container["readinessProbe"] = {
-        "exec": {"command": EXEC_PROBE}, "periodSeconds": 5, "timeoutSeconds": 5,
-        "failureThreshold": 2,
-    }
     return doc
 
 
-def test_the_variant_without_metrics_is_the_daemonset_with_exec_probes() -> None:
+def test_the_variant_without_metrics_is_the_daemonset_without_its_port() -> None:
     """Two files, one DaemonSet: the variant cannot drift from the shipped one."""
     assert daemonset(DAEMONSET_WITHOUT_METRICS) == without_metrics(daemonset())
     variant = set_gate(daemonset(DAEMONSET_WITHOUT_METRICS), "1")
@@ -887,119 +930,157 @@ def test_containerfile_command_starts(tmp_path: Path, gate: str | None) -> None:
 # --- the DaemonSet's container, run as its securityContext says ------------------------
 
 
-@pytest.mark.parametrize("gate", ["0", "1"])
-def test_daemonset_container_serves_its_probes_as_root_without_capabilities(
-    tmp_path: Path, gate: str
-) -> None:
-    """
-    The container's command, args and env from the DaemonSet (shipped with the
-    gate off, then enabled), run as root with every capability dropped and
-    no_new_privs, on a directory that kubelet's DirectoryOrCreate made (root,
-    0755) and that holds a previous broker's stale socket and lock: it starts,
-    answers its readiness and liveness probes, and serves.
-    """
-    prefix = restricted_prefix()
-    container = broker_container(set_gate(daemonset(), gate))
-    directory = tmp_path / "hostpath"
-    directory.mkdir(mode=0o755)
-    directory.chmod(0o755)
-    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    stale.bind(str(directory / "broker.sock"))
-    stale.close()
-    (directory / "broker.lock").touch(mode=0o600)
-
-    port = free_tcp_port()
-    # The node paths the DaemonSet mounts from the host, moved into this test's tree.
-    host_tmp = tmp_path / "host-tmp"
-    host_tmp.mkdir(mode=0o1777)
-    host_tmp.chmod(0o1777)
-    cdi_dir, lock_parent = tmp_path / "host-cdi", host_tmp / "vgpulock"
-    argv = with_option(with_option(with_metrics_port(container_argv(container), port),
-                                   "--cdi-dir", str(cdi_dir)),
-                       "--lock-parent", str(lock_parent))
-    env = subprocess_env({var["name"]: var["value"] for var in container["env"]})
-    liveness = container["livenessProbe"]["httpGet"]["path"]
-    readiness = container["readinessProbe"]["httpGet"]["path"]
-    command = [*prefix, *from_working_tree([*argv, "--directory", str(directory)])]
-    with running(command, env) as broker:
-        wait_for(lambda: broker.alive() and http_up(port, liveness), "the liveness probe")
-        # Without any capability, the broker prepared the lock parent and wrote the spec.
-        spec = json.loads((cdi_dir / "hami.io-hostpid.json").read_text())
-        assert spec == cdi.build_spec(broker_enabled=gate == "1", lock_parent=str(lock_parent),
-                                      broker_directory=str(directory))
-        assert stat.S_IMODE(os.lstat(lock_parent).st_mode) == 0o1777
-        assert broker.status_field("CapEff") == "0" * 16
-        assert broker.status_field("CapBnd") == "0" * 16
-        assert broker.status_field("NoNewPrivs") == "1"
-        status, body = http_get(port, readiness)
-        assert status == 200, body
-        if gate == "1":
-            assert "listening" in body
-            assert ask_pid(directory / "broker.sock") == os.getpid()
-            assert_broker_files(directory)
-        else:
-            assert "disabled" in body
-        assert broker.terminate() == -signal.SIGTERM, broker.output()
+def probe_commands(container: Mapping[str, Any]) -> dict[str, list[str]]:
+    """The container's exec probes, by kind, as the kubelet runs them."""
+    return {kind: list(container[kind]["exec"]["command"])
+            for kind in ("livenessProbe", "readinessProbe")}
 
 
-@pytest.mark.parametrize("gate", ["0", "1"])
-def test_variant_exec_probes_judge_the_broker_as_root_without_capabilities(gate: str) -> None:
+def run_daemonset_container(doc: Mapping[str, Any]) -> None:
     """
-    The variant without metrics, run as its container would be: its broker
-    on the default directory (in a private mount namespace whose /run is a
-    tmpfs, the directory made by kubelet's DirectoryOrCreate as root 0755),
-    root with every capability dropped; its exec probe command, run the same
-    way in the same namespace, passes while the broker serves (gate "1") or
-    is disabled (gate "0", the probe skipped), and fails once a gate-on broker
-    is gone.
+    Run the broker container of the DaemonSet C{doc} as its securityContext
+    says, and its exec probes as the kubelet does, in a private mount
+    namespace whose C{/run} and C{/tmp} are fresh tmpfs mounts (the hostPaths
+    at their own paths: the broker directory as kubelet's C{DirectoryOrCreate}
+    makes it, root 0755, holding a previous broker's stale socket and lock;
+    the CDI directory; the host's C{/tmp}): root with every capability dropped
+    and no_new_privs.  It starts; both probes pass while it serves (gate "1")
+    or is disabled (gate "0": skipped, a disabled broker serves nothing);
+    with C{--cdi-dir}, even disabled, it prepared the lock parent and wrote
+    the spec for its gate; with C{--metrics}, C{/readyz} still answers
+    scrapers; and once a gate-on broker is gone its probes fail.
     """
     hostpid_script = Path(sys.executable).parent / "hostpid"
     assert hostpid_script.exists(), "the hostpid console script of this environment"
-    container = broker_container(set_gate(daemonset(DAEMONSET_WITHOUT_METRICS), gate))
+    container = broker_container(doc)
+    gate = gate_value(container)
     env = subprocess_env({var["name"]: var["value"] for var in container["env"]})
     env["PATH"] = f"{hostpid_script.parent}{os.pathsep}{env.get('PATH', os.defpath)}"
-    commands = {container[kind]["exec"]["command"][-1] for kind in
-                ("livenessProbe", "readinessProbe")}
-    assert len(commands) == 1
-    probe = container["livenessProbe"]["exec"]["command"]
+    probes = probe_commands(container)
+    argv = container_argv(container)
+    port = None
+    if "--metrics" in argv:
+        port = free_tcp_port()
+        argv = with_metrics_port(argv, port)
+    cdi_dir = option_value(argv, "--cdi-dir")
+    lock_parent = option_value(argv, "--lock-parent") or LOCK_PARENT
 
     with DefaultLayout() as layout:
         prefix = [*layout.prefix, *restricted_prefix()]
-        layout.seen_from_here(BROKER_DIRECTORY).mkdir(parents=True, mode=0o755)
+        directory = layout.seen_from_here(BROKER_DIRECTORY)
+        directory.mkdir(parents=True, mode=0o755)
+        directory.chmod(0o755)
+        stale_socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        stale_socket.bind(str(directory / "broker.sock"))
+        stale_socket.close()
+        (directory / "broker.lock").touch(mode=0o600)
+        if cdi_dir is not None:
+            layout.seen_from_here(cdi_dir).mkdir(parents=True, mode=0o755, exist_ok=True)
 
-        def run_probe() -> subprocess.CompletedProcess[str]:
+        def run_probe(kind: str) -> subprocess.CompletedProcess[str]:
             return subprocess.run(
-                [*prefix, *probe], env=env, capture_output=True, text=True, timeout=60,
+                [*prefix, *probes[kind]], env=env, capture_output=True, text=True,
+                timeout=container[kind]["timeoutSeconds"] + WAIT_SECONDS,
                 cwd=tempfile.gettempdir(),
             )
 
-        argv = from_working_tree(container_argv(container))
-        with running([*prefix, *argv], env) as broker:
+        with running([*prefix, *from_working_tree(argv)], env) as broker:
             if gate == "1":
                 seen = layout.seen_from_here(f"{BROKER_DIRECTORY}/broker.sock")
                 wait_for(lambda: broker.alive() and ask_pid(seen) == os.getpid(), "serving")
+                assert_broker_files(directory)
             else:
                 wait_for(lambda: broker.alive() and "disabled" in broker.output(), "disabled")
-            healthy = run_probe()
-            assert healthy.returncode == 0, healthy.stderr
-            if gate == "1":
-                assert re.fullmatch(
-                    rf"{BROKER_DIRECTORY}/broker.sock: ok: answered PID \d+ \(this process\); "
-                    r"socket, uid 0, mode 0666\n",
-                    healthy.stdout,
-                ), healthy.stdout
-            else:
-                assert healthy.stdout == "", "skipped: a disabled broker serves nothing"
+            assert broker.status_field("CapEff") == "0" * 16
+            assert broker.status_field("CapBnd") == "0" * 16
+            assert broker.status_field("NoNewPrivs") == "1"
+            for kind in probes:
+                healthy = run_probe(kind)
+                assert healthy.returncode == 0, (kind, healthy.stderr)
+                if gate == "1":
+                    assert re.fullmatch(
+                        rf"{BROKER_DIRECTORY}/broker.sock: ok: answered PID \d+ "
+                        r"\(this process\); socket, uid 0, mode 0666; gate here: "
+                        r"LIBVGPU_HOSTPID_BROKER='1'\n",
+                        healthy.stdout,
+                    ), healthy.stdout
+                else:
+                    assert healthy.stdout == "", "skipped: a disabled broker serves nothing"
+            if cdi_dir is not None:
+                # Even with the gate off: the lock parent and the spec for this gate.
+                spec = json.loads(layout.seen_from_here(
+                    f"{cdi_dir}/hami.io-hostpid.json").read_text())
+                assert spec == cdi.build_spec(broker_enabled=gate == "1",
+                                              lock_parent=lock_parent,
+                                              broker_directory=BROKER_DIRECTORY)
+                prepared = os.lstat(layout.seen_from_here(lock_parent))
+                assert (prepared.st_uid, stat.S_IMODE(prepared.st_mode)) == (0, 0o1777)
+            if port is not None:
+                status, body = http_get(port, "/readyz")
+                assert status == 200, body
+                assert ("listening" if gate == "1" else "disabled") in body
             assert broker.terminate() == -signal.SIGTERM, broker.output()
-        after = run_probe()
-        if gate == "1":
-            assert after.returncode == 1
-            assert after.stderr == (
-                f"hostpid probe: socket check failed: {BROKER_DIRECTORY}/broker.sock: "
-                "cannot lstat: ENOENT (No such file or directory)\n"
-            )
-        else:
-            assert after.returncode == 0
+        for kind in probes:
+            after = run_probe(kind)
+            if gate == "1":
+                assert after.returncode == 1, (kind, after.stdout)
+                assert after.stderr == (
+                    f"hostpid probe: socket check failed: {BROKER_DIRECTORY}/broker.sock: "
+                    "cannot lstat: ENOENT (No such file or directory)\n"
+                ), kind
+            else:
+                assert after.returncode == 0, (kind, after.stderr)
+
+
+@pytest.mark.parametrize("gate", ["0", "1"])
+@pytest.mark.parametrize("path", [DAEMONSET, DAEMONSET_WITHOUT_METRICS],
+                         ids=["daemonset", "without-metrics"])
+def test_daemonset_container_and_its_probes_as_root_without_capabilities(
+    path: Path, gate: str
+) -> None:
+    """
+    Each shipped DaemonSet (with the gate as shipped, then enabled), run by
+    L{run_daemonset_container}.
+    """
+    run_daemonset_container(set_gate(daemonset(path), gate))
+
+
+def test_the_probes_fail_on_a_socket_that_listens_but_never_answers() -> None:
+    """
+    Readiness is the broker answering, not its socket listening (issue 19): a
+    root-owned socket at the broker's path that accepts connections into its
+    queue and never answers (what a stalled broker looks like from outside,
+    while its HTTP server may still say 200) fails both exec probes, each at
+    its own deadline and well inside its kubelet timeout.
+    """
+    container = broker_container(set_gate(daemonset(), "1"))
+    hostpid_script = Path(sys.executable).parent / "hostpid"
+    env = subprocess_env({var["name"]: var["value"] for var in container["env"]})
+    env["PATH"] = f"{hostpid_script.parent}{os.pathsep}{env.get('PATH', os.defpath)}"
+    with DefaultLayout() as layout:
+        directory = layout.seen_from_here(BROKER_DIRECTORY)
+        directory.mkdir(parents=True, mode=0o711)
+        directory.chmod(0o711)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:
+            silent.bind(str(directory / "broker.sock"))
+            os.chmod(directory / "broker.sock", 0o666)
+            silent.listen(64)
+            for kind, command in probe_commands(container).items():
+                deadline = exec_probe_deadline(container[kind])
+                assert deadline is not None
+                started = time.monotonic()
+                done = subprocess.run(
+                    [*layout.prefix, *command], env=env, capture_output=True, text=True,
+                    timeout=container[kind]["timeoutSeconds"] + WAIT_SECONDS,
+                    cwd=tempfile.gettempdir(),
+                )
+                took = time.monotonic() - started
+                assert done.returncode == 1, (kind, done.stdout)
+                assert done.stderr == (
+                    f"hostpid probe: deadline check failed: {BROKER_DIRECTORY}/broker.sock: "
+                    f"{deadline:g} s passed waiting for the reply (0 of 12 bytes)\n"
+                ), kind
+                assert deadline <= took < container[kind]["timeoutSeconds"], (kind, took)
 
 
 # --- the systemd unit ------------------------------------------------------------------
@@ -1049,6 +1130,14 @@ def test_unit_states_what_the_broker_needs() -> None:
     assert metrics_port(argv) is not None
     assert unit_environment()[GATE] == "1"
     assert unit_value("Restart") == "on-failure"
+    # Issue 19: a real share of a busy node's CPU (more than a default service's weight,
+    # 100, not so much that tenants could take system.slice's CPU through the broker),
+    # and no quota that would stall a burst.
+    assert 100 < int(unit_value("CPUWeight")) <= 500
+    assert -10 <= int(unit_value("Nice")) < 0
+    assert unit_values("CPUQuota") == []
+    # Nothing but the broker's own exit restarts it: no watchdog a flood could starve.
+    assert unit_values("WatchdogSec") == []
     # The broker directory: root's, 0711, kept across stops so workloads' bind mounts of
     # it stay valid.
     assert unit_value("RuntimeDirectory") == "hami/hostpid"

@@ -18,6 +18,7 @@ from kernelfeatures import has, kernel_feature
 from support import wait_for
 
 from hostpid import wire
+from hostpid.broker.closewatch import CloseWatch
 from hostpid.broker.descriptors import (
     ROOM_MARGIN,
     SCM_MAX_FD,
@@ -150,13 +151,14 @@ def test_inline_out_of_band_only_where_the_kernel_has_it(pair, outOfBand: bool) 
 def test_closer_saturates_at_its_limit() -> None:
     """
     Its one thread stuck in a lingering socket's close (the attack's
-    descriptor), a second descriptor waits behind it: the closer is
-    saturated until the close returns, then drains.
+    descriptor; this closer's watch is not installed, so nothing interrupts
+    it), a second descriptor waits behind it: the closer is saturated until
+    the close returns, then drains.
     """
     attacker: dict[str, object] = {"socket": socket, "struct": struct, "time": time}
     exec(LINGERING_SOCKET, attacker)
     stuck = attacker["lingering"](60)  # type: ignore[operator]
-    closer = BackgroundCloser(threads=1, limit=2)
+    closer = BackgroundCloser(threads=1, limit=2, watch=CloseWatch())
     read, write = os.pipe()
     closer.submit(stuck.detach())  # the last reference: its close waits out the linger
     closer.submit(read)
@@ -227,25 +229,48 @@ def test_release_without_room_hands_the_connection_over_undrained(pair) -> None:
     assert fd_count() == before - 1
 
 
-def test_the_closer_wakes_a_waiter_when_pending_falls(pair) -> None:
-    closer = BackgroundCloser(threads=1)
-    woken: list[int] = []
-    assert closer.whenPendingAtMost(0, lambda: woken.append(1)) is False, "already true"
-    gate_r, gate_w = os.pipe()
-    assert closer.whenPendingAtMost(-1, lambda: woken.append(2)) is True
-    closer.submit(gate_r)
-    closer.submit(gate_w)
-    wait_for(lambda: closer.closed == 2, "the closer to close both")
-    assert woken == [], "never at most -1"
-    r, w = os.pipe()
-    closer.submit(r)
-    closer.submit(w)
-    registered = closer.whenPendingAtMost(0, lambda: woken.append(3))
-    wait_for(lambda: closer.pending == 0, "the closer to drain")
-    if registered:
-        wait_for(lambda: woken == [3], "the closer thread to wake the waiter")
-    else:
-        assert woken == [], "pending was already 0: no call"
+def test_without_room_a_read_takes_only_bytes_without_descriptors(pair) -> None:
+    """
+    Without room for a full message, reads go on: a peek shows what is
+    queued, and bytes are read only if the peek met no descriptor.  A peek
+    that reaches a message with descriptors reads nothing at all: it is left
+    queued, nothing installed in our table, its descriptor still open (here
+    a pipe's last write end: no end of file).  (A peek that ends exactly
+    where such a message begins reports it too: the kernel attaches its
+    descriptors before it sees there is no room for its bytes.)
+    """
+    server, client = pair
+    read, write = os.pipe()
+    os.set_blocking(read, False)
+    receiver = PassedDescriptors(BackgroundCloser(), descriptorLimit=64, reserved=0)
+    assert not receiver.hasRoom()
+    client.sendall(wire.GET_HOST_PID_REQUEST[:5])
+    assert receiver.receiveWithoutRoom(server, 256) == (wire.GET_HOST_PID_REQUEST[:5], False)
+    client.sendall(b"xy")
+    client.sendmsg([wire.GET_HOST_PID_REQUEST[5:]], rights(write))
+    os.close(write)
+    before = fd_count()
+    assert receiver.receiveWithoutRoom(server, 256) == (b"", True), "descriptors waiting"
+    assert receiver.receiveWithoutRoom(server, 256) == (b"", True), "still waiting, unread"
+    assert fd_count() == before and receiver.received == 0
+    with pytest.raises(BlockingIOError):
+        os.read(read, 1)  # the write end is still open, in the queue
+    assert receiver.release(server) is False, "not drained: no room"
+    wait_for(lambda: receiver.closer.closed == 1, "the closer to close the connection whole")
+    assert os.read(read, 1) == b"", "the queued write end went with it"
+    os.close(read)
+    assert receiver.withoutRoom == 3
+
+
+def test_without_room_the_fast_path_read_answers_a_plain_request(pair) -> None:
+    """The fast path's read without room: a plain request is read; end of file is b''."""
+    server, client = pair
+    receiver = PassedDescriptors(BackgroundCloser(), descriptorLimit=64, reserved=0)
+    client.sendall(wire.GET_HOST_PID_REQUEST)
+    assert receiver.readFirst(server, 256) == wire.GET_HOST_PID_REQUEST
+    client.shutdown(socket.SHUT_WR)
+    assert receiver.readFirst(server, 256) == b""
+    assert receiver.withoutRoom == 2
 
 
 def test_a_peek_never_drops_a_queued_descriptor(pair) -> None:

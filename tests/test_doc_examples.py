@@ -23,10 +23,12 @@ The rules (a doc that breaks one fails CI):
   (C{privatetmp.py}): an example on the default paths (C{/tmp/vgpulock},
   C{/var/run/cdi}) runs as written and the host's are never touched.
 
-The README's two commands are marked (one runs a foreground server, the other
-the whole suite) and tested here otherwise: the test command is what
+The README's first two commands are marked (one runs a foreground server, the
+other the whole suite) and tested here otherwise: the test command is what
 C{.ci/run} runs, verbatim; the run command's C{twistd} line is run with a
-private C{--directory} and must serve.
+private C{--directory} and must serve; and the README's check of a running
+broker (C{hostpid probe}) is run against that broker,
+from an environment without the gate, and must pass.
 """
 
 from __future__ import annotations
@@ -179,12 +181,23 @@ def test_example_runs_as_written(block: Block, tmp_path: Path) -> None:
 # --- The README's two commands. ---
 
 
-def readme_commands() -> tuple[str, str]:
-    """The README's run command and test command (its first two examples)."""
+def readme_examples() -> list[str]:
     blocks, _ = parse(REPO / "README.md")
-    commands = [block.code.strip() for block in blocks if block.language in RUNNABLE]
-    assert len(commands) == 2, commands
-    return commands[0], commands[1]
+    return [block.code.strip() for block in blocks if block.language in RUNNABLE]
+
+
+def readme_commands() -> tuple[str, str]:
+    """The README's run command (its first example) and test command (the one running pytest)."""
+    commands = readme_examples()
+    (test_command,) = [command for command in commands if "-m pytest" in command]
+    return commands[0], test_command
+
+
+def readme_check_command() -> str:
+    """The README's check that the broker works (C{hostpid probe})."""
+    (check,) = [command for command in readme_examples() if " probe" in command]
+    assert check.startswith(".venv/bin/hostpid probe"), check
+    return check
 
 
 def test_readme_test_command_is_what_ci_runs() -> None:
@@ -228,6 +241,22 @@ def test_readme_run_command_serves(private_directory: Path) -> None:
                 return False
 
         wait_for(serving, f"the README's broker at {socket_path}")
+        # The README's check, from a shell without the gate (environment() removes it),
+        # pointed at this broker: exit 0, the probe's own PID, the gate it saw.
+        check = readme_check_command().replace(
+            ".venv/bin/hostpid", str(Path(sys.executable).parent / "hostpid"), 1)
+        checked = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", f"{check} --socket {socket_path}"],
+            env=env, cwd=private_directory.parent, capture_output=True, text=True,
+            timeout=EXAMPLE_TIMEOUT, stdin=subprocess.DEVNULL,
+        )
+        assert checked.returncode == 0, checked.stderr
+        assert re.fullmatch(
+            rf"{re.escape(str(socket_path))}: ok: answered PID \d+ \(this process\); "
+            r"socket, uid \d+, mode 0666; gate here: LIBVGPU_HOSTPID_BROKER unset "
+            r"\(information only: a workload asks only with '1'\)\n",
+            checked.stdout,
+        ), checked.stdout
         process.send_signal(signal.SIGTERM)
         output, _ = process.communicate(timeout=WAIT_SECONDS)
         assert process.returncode == -signal.SIGTERM, output

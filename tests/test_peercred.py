@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 from kernelfeatures import kernel_feature
+from support import accepted_from_exited_child
 from twisted.logger import Logger
 
 from hostpid.peercred import (
+    LivenessCheck,
     PeerCredentialsFailed,
     PeerGone,
     PeerIdentifier,
@@ -25,28 +27,6 @@ from hostpid.peercred import (
 )
 
 pytestmark = pytest.mark.kernel
-
-
-def accepted_from_exited_child(path: Path) -> socket.socket:
-    """
-    A server-side connection whose client process connected, exited, and was
-    reaped before the server looked at it.
-    """
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(os.fspath(path))
-    listener.listen(1)
-    child = os.fork()
-    if child == 0:  # pragma: no cover - runs in the child
-        try:
-            client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            client.connect(os.fspath(path))
-        finally:
-            os._exit(0)
-    os.waitpid(child, 0)
-    connection, _ = listener.accept()
-    listener.close()
-    assert peer_credentials(connection).pid == child
-    return connection
 
 
 def fds() -> int:
@@ -113,7 +93,7 @@ def test_without_pidfd_the_exited_peer_would_be_answered(tmp_path: Path) -> None
     """The control: SO_PEERCRED alone still reports the dead client's PID."""
     connection = accepted_from_exited_child(tmp_path / "s")
     with connection:
-        assert PeerIdentifier(usePidfd=False).host_pid(connection) > 0
+        assert PeerIdentifier(check=LivenessCheck.NONE).host_pid(connection) > 0
 
 
 def test_closed_socket_is_a_credentials_failure(pair) -> None:
@@ -151,3 +131,51 @@ def test_other_pidfd_errors_refuse_the_peer(pair) -> None:
 
     with pytest.raises(PeerCredentialsFailed, match="SO_PEERPIDFD"):
         PeerIdentifier(peerPidfd=broken).host_pid(pair[0])
+
+
+def test_so_peerpidfd_einval_of_a_reaped_peer_is_peer_gone(pair) -> None:
+    """
+    Linux 6.5-6.15 answer SO_PEERPIDFD for a peer that exited and was reaped
+    with EINVAL (pidfd_prepare() finds no thread-group task on its struct
+    pid); 6.16 and later return a pidfd, which the liveness question then
+    finds gone.  Simulated here (this kernel returns a pidfd): the outcome is
+    peer_gone, not a credentials failure, and SO_PEERPIDFD is known to be in
+    force (a kernel without it says ENOPROTOOPT).
+    """
+    from hostpid import wire
+    from hostpid.broker.server import Outcome, answer
+
+    def reaped(sock: socket.socket) -> int:
+        raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+
+    identifier = PeerIdentifier(peerPidfd=reaped)
+    with pytest.raises(PeerGone, match="reaped"):
+        identifier.host_pid(pair[0])
+    assert identifier.check is LivenessCheck.PEERPIDFD
+    assert identifier.acceptClock is None
+    assert answer(wire.GET_HOST_PID_REQUEST, pair[0], identifier) == (Outcome.PEER_GONE, None)
+
+
+@pytest.mark.parametrize("error", [errno.ENODATA, errno.ESRCH, errno.ENOENT, errno.EMFILE])
+def test_other_so_peerpidfd_errors_stay_credentials_failures(pair, error: int) -> None:
+    """Only the errno a release gives for a reaped peer is mapped; ENODATA is "no peer"."""
+
+    def failing(sock: socket.socket) -> int:
+        raise OSError(error, os.strerror(error))
+
+    with pytest.raises(PeerCredentialsFailed, match="SO_PEERPIDFD"):
+        PeerIdentifier(peerPidfd=failing).host_pid(pair[0])
+
+
+def test_fallback_check_is_pidfd_open_and_named(pair) -> None:
+    """Without SO_PEERPIDFD the identifier moves to pidfd_open, and asks for accept times."""
+
+    def no_pidfd(sock: socket.socket) -> int:
+        raise OSError(errno.ENOPROTOOPT, os.strerror(errno.ENOPROTOOPT))
+
+    identifier = PeerIdentifier(peerPidfd=no_pidfd)
+    assert identifier.check is None and identifier.acceptClock is not None
+    assert identifier.host_pid(pair[0]) == os.getpid()
+    assert identifier.check is LivenessCheck.PIDFD_OPEN
+    assert identifier.acceptClock is not None
+    assert PeerIdentifier().host_pid(pair[0]) == os.getpid()

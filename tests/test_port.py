@@ -20,7 +20,15 @@ from twisted.python.failure import Failure
 
 from hostpid import wire
 from hostpid.broker.descriptors import SCM_MAX_FD, BackgroundCloser, PassedDescriptors
-from hostpid.broker.port import BACKOFF_INITIAL, BACKOFF_MAX, CLOSER_RECHECK, BrokerPort
+from hostpid.broker.port import (
+    BACKOFF_INITIAL,
+    BACKOFF_MAX,
+    CLOSER_RECHECK,
+    PAUSE_CLOSER,
+    PAUSE_REPORTED_AFTER,
+    PAUSE_RESOURCES,
+    BrokerPort,
+)
 from hostpid.broker.server import BrokerFactory
 
 pytestmark = pytest.mark.kernel
@@ -102,7 +110,10 @@ def test_backoff_doubles_to_one_second_and_resets(clock, listener) -> None:
         clock.advance(resume.getTime() - clock.seconds())
     assert delays[:8] == [0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64]
     assert delays[8:] == [BACKOFF_MAX] * 4
-    assert len(events) == 4, "logged at the 1st, 2nd, 4th and 8th error only"
+    errors = [e for e in events if "cannot accept" in e["log_format"]]
+    assert len(errors) == 4, "logged at the 1st, 2nd, 4th and 8th error only"
+    [lasting] = [e for e in events if "not accepting for" in e["log_format"]]
+    assert lasting["reason"] == PAUSE_RESOURCES, "a pause that lasts is said once"
     # One successful accept, then the next resource error starts from 5 ms again.
     port.socket.errors = [0, errno.ENFILE]  # type: ignore[attr-defined]
     port.doRead()  # one accepted: the turn ends there
@@ -180,6 +191,35 @@ def test_answers_at_accept_are_timed_once_per_accept_batch(clock, listener) -> N
     for client in port.socket.clients:  # type: ignore[attr-defined]
         assert client.recv(64) == wire.encode_ok(os.getpid())
         client.close()
+
+
+def test_a_lasting_pause_fails_readiness_and_is_said_once(clock, listener) -> None:
+    """
+    Issue 18: a pause that lasts must show.  Past PAUSE_REPORTED_AFTER the
+    port names it (readiness fails on that), logs one line, and says when
+    accepting resumes.
+    """
+    port, events = make_port(clock, listener, [])
+    closer = BackgroundCloser(limit=SCM_MAX_FD)
+    closer.pending = SCM_MAX_FD
+    port.factory.receiveDescriptors(PassedDescriptors(closer, descriptorLimit=1 << 16))
+    listener.errors = [0]
+    port.doRead()
+    assert port.pauseProblem() is None, "a short pause is not a problem yet"
+    while clock.seconds() < PAUSE_REPORTED_AFTER + CLOSER_RECHECK:
+        clock.advance(CLOSER_RECHECK)
+        port.doRead()
+    problem = port.pauseProblem()
+    assert problem is not None and PAUSE_CLOSER in problem, problem
+    assert [e["reason"] for e in events if "not accepting for" in e["log_format"]] == [
+        PAUSE_CLOSER
+    ]
+    closer.pending = 0
+    clock.advance(CLOSER_RECHECK)
+    port.doRead()
+    assert port.pauseProblem() is None and port.pauseReason is None
+    assert any("accepting again" in e["log_format"] for e in events)
+    listener.clients[0].close()
 
 
 def test_a_saturated_closer_pauses_accepting_until_it_drains(clock, listener) -> None:

@@ -1,8 +1,8 @@
 """
-The transaction state machine and the limiting factory, deterministic:
-a L{MemoryReactorClock} drives the deadline and a L{StringTransport} collects
-the reply.  The transport's handle is one end of a real socketpair, so the
-peer credentials come from the kernel (the peer is this process).
+The transaction rule (L{answer}) and the factory's books and fast path, on
+real sockets: the peer credentials come from the kernel (the peer is this
+process).  The general path, for connections still waiting for their
+request, is tested in C{test_waiting.py}.
 """
 
 from __future__ import annotations
@@ -11,25 +11,14 @@ import os
 import socket
 
 import pytest
-from twisted.internet.testing import MemoryReactorClock, StringTransport
+from twisted.internet.testing import MemoryReactorClock
 from twisted.logger import Logger
 
 from hostpid import wire
-from hostpid.broker.server import BrokerFactory, BrokerProtocol, Outcome, answer
+from hostpid.broker.server import BrokerFactory, Outcome, answer
 from hostpid.peercred import PeerCredentialsFailed, PeerGone, PeerIdentifier
 
 DEADLINE = 0.5
-
-
-class SocketStringTransport(StringTransport):
-    """A StringTransport whose handle is a real socket, as the server expects."""
-
-    def __init__(self, handle: socket.socket) -> None:
-        super().__init__()
-        self.handle = handle
-
-    def getHandle(self) -> socket.socket:
-        return self.handle
 
 
 @pytest.fixture
@@ -42,150 +31,12 @@ def factory(clock: MemoryReactorClock) -> BrokerFactory:
     return BrokerFactory(clock, deadline=DEADLINE, maxConnections=4)
 
 
-def connect(
-    factory: BrokerFactory, handle: socket.socket
-) -> tuple[BrokerProtocol, SocketStringTransport]:
-    protocol = factory.buildProtocol(None)  # type: ignore[arg-type]
-    assert protocol is not None
-    transport = SocketStringTransport(handle)
-    protocol.makeConnection(transport)
-    return protocol, transport
-
-
-def end(protocol: BrokerProtocol) -> None:
-    """What the reactor does once the transport has closed."""
-    from twisted.internet.error import ConnectionDone
-    from twisted.python.failure import Failure
-
-    protocol.connectionLost(Failure(ConnectionDone()))
-
-
-def test_whole_request_gets_own_pid(factory, pair, clock) -> None:
-    protocol, transport = connect(factory, pair[0])
-    protocol.dataReceived(wire.GET_HOST_PID_REQUEST)
-    assert transport.value() == wire.encode_ok(os.getpid())
-    assert transport.disconnecting
-    end(protocol)
-    assert factory.counts[Outcome.OK] == 1
-    assert factory.active == 0
-    assert clock.getDelayedCalls() == []
-
-
-def test_one_byte_at_a_time(factory, pair, clock) -> None:
-    protocol, transport = connect(factory, pair[0])
-    for index in range(wire.REQUEST_SIZE - 1):
-        protocol.dataReceived(wire.GET_HOST_PID_REQUEST[index : index + 1])
-        assert transport.value() == b""
-        assert not transport.disconnecting
-    protocol.dataReceived(wire.GET_HOST_PID_REQUEST[-1:])
-    assert transport.value() == wire.encode_ok(os.getpid())
-    assert transport.disconnecting
-
-
-@pytest.mark.parametrize("split", range(1, wire.REQUEST_SIZE))
-def test_any_two_fragments(factory, pair, split: int) -> None:
-    protocol, transport = connect(factory, pair[0])
-    protocol.dataReceived(wire.GET_HOST_PID_REQUEST[:split])
-    protocol.dataReceived(wire.GET_HOST_PID_REQUEST[split:])
-    assert transport.value() == wire.encode_ok(os.getpid())
-
-
-def test_bytes_after_the_eighth_are_ignored(factory, pair) -> None:
-    protocol, transport = connect(factory, pair[0])
-    protocol.dataReceived(wire.GET_HOST_PID_REQUEST + b"HPID\x00\x01\x00\x02garbage")
-    protocol.dataReceived(b"more garbage")
-    assert transport.value() == wire.encode_ok(os.getpid())
-    assert factory.counts[Outcome.OK] == 1
-    assert factory.counts[Outcome.INVALID] == 0
-
-
-@pytest.mark.parametrize(
-    "request_bytes",
-    [b"HPIX\x00\x01\x00\x01", b"HPID\x00\x02\x00\x01", b"HPID\x00\x01\x00\x00",
-     b"HPID\x00\x01\x00\x02", b"\x00" * 8],
-)
-def test_invalid_request_gets_status_1_and_close(factory, pair, request_bytes) -> None:
-    protocol, transport = connect(factory, pair[0])
-    protocol.dataReceived(request_bytes)
-    assert transport.value() == wire.INVALID_REQUEST_RESPONSE
-    assert transport.disconnecting
-    assert factory.counts[Outcome.INVALID] == 1
-
-
-def test_deadline_just_before(factory, pair, clock) -> None:
-    protocol, transport = connect(factory, pair[0])
-    protocol.dataReceived(wire.GET_HOST_PID_REQUEST[:4])
-    clock.advance(DEADLINE - 0.001)
-    assert not transport.disconnected
-    protocol.dataReceived(wire.GET_HOST_PID_REQUEST[4:])
-    assert transport.value() == wire.encode_ok(os.getpid())
-    end(protocol)
-    assert clock.getDelayedCalls() == []
-    assert factory.counts[Outcome.DEADLINE] == 0
-
-
-def test_deadline_just_after(factory, pair, clock) -> None:
-    protocol, transport = connect(factory, pair[0])
-    protocol.dataReceived(wire.GET_HOST_PID_REQUEST[:4])
-    clock.advance(DEADLINE)
-    assert transport.disconnected, "the deadline aborts the connection"
-    assert transport.value() == b""
-    assert factory.counts[Outcome.DEADLINE] == 1
-    protocol.dataReceived(wire.GET_HOST_PID_REQUEST[4:])
-    assert transport.value() == b"", "nothing is answered after the deadline"
-    end(protocol)
-    assert clock.getDelayedCalls() == []
-    assert factory.active == 0
-    assert factory.counts[Outcome.SHORT] == 0, "one outcome per transaction"
-
-
-def test_deadline_counts_from_connection_not_from_data(factory, pair, clock) -> None:
-    protocol, transport = connect(factory, pair[0])
-    clock.advance(DEADLINE / 2)
-    protocol.dataReceived(b"H")
-    clock.advance(DEADLINE / 2)
-    assert transport.disconnected
-
-
-def test_no_delayed_call_left_when_client_goes_away(factory, pair, clock) -> None:
-    protocol, _ = connect(factory, pair[0])
-    assert len(clock.getDelayedCalls()) == 1
-    protocol.dataReceived(b"HP")
-    end(protocol)
-    assert clock.getDelayedCalls() == []
-    assert factory.counts[Outcome.SHORT] == 1
-    assert factory.active == 0
-
-
-def test_half_close_after_request_still_gets_reply(factory, pair) -> None:
-    protocol, transport = connect(factory, pair[0])
-    protocol.dataReceived(wire.GET_HOST_PID_REQUEST)
-    protocol.readConnectionLost()
-    assert transport.value() == wire.encode_ok(os.getpid())
-    assert factory.counts[Outcome.OK] == 1
-    assert factory.counts[Outcome.SHORT] == 0
-
-
-def test_half_close_before_request_is_short(factory, pair, clock) -> None:
-    protocol, transport = connect(factory, pair[0])
-    protocol.dataReceived(b"HPID")
-    protocol.readConnectionLost()
-    assert transport.disconnecting
-    assert transport.value() == b""
-    assert factory.counts[Outcome.SHORT] == 1
-    end(protocol)
-    assert factory.counts[Outcome.SHORT] == 1
-    assert clock.getDelayedCalls() == []
-
-
-def test_peer_credential_error_closes_without_reply(factory, pair) -> None:
+def test_peer_credential_error_gets_no_reply(pair) -> None:
     handle = pair[0]
-    protocol, transport = connect(factory, handle)
     handle.close()  # getsockopt now fails for real (EBADF)
-    protocol.dataReceived(wire.GET_HOST_PID_REQUEST)
-    assert transport.value() == b""
-    assert transport.disconnecting
-    assert factory.counts[Outcome.PEER_CREDENTIALS] == 1
+    assert answer(wire.GET_HOST_PID_REQUEST, handle, PeerIdentifier()) == (
+        Outcome.PEER_CREDENTIALS, None,
+    )
 
 
 class RecordingIdentifier(PeerIdentifier):
@@ -196,7 +47,7 @@ class RecordingIdentifier(PeerIdentifier):
         self.result = result
         self.asked = 0
 
-    def host_pid(self, sock: socket.socket) -> int:
+    def host_pid(self, sock: socket.socket, accepted: int = 0) -> int:
         self.asked += 1
         if isinstance(self.result, Exception):
             raise self.result
@@ -232,92 +83,12 @@ def test_peer_is_identified_only_after_a_valid_request(pair) -> None:
     assert identifier.asked == 1
 
 
-def test_full_slots_evict_the_oldest_waiting_connection(factory, pair, clock) -> None:
-    """
-    Every slot held by a connection waiting for its request: a newcomer takes
-    the oldest one's slot at once; the oldest is closed with no reply, its
-    deadline cancelled, and its later connectionLost frees nothing twice.
-    """
-    held = [connect(factory, pair[0]) for _ in range(4)]
-    newcomer, _ = connect(factory, pair[0])
-    oldest, oldestTransport = held[0]
-    assert oldestTransport.disconnecting and oldestTransport.value() == b""
-    assert factory.counts[Outcome.EVICTED] == 1
-    assert factory.counts[Outcome.OVER_LIMIT] == 0
-    assert factory.active == 4
-    assert len(factory.deadlines) == 4, "the evicted deadline is stopped"
-    assert len(clock.getDelayedCalls()) == 1, "one delayed call for every deadline"
-    end(oldest)
-    assert factory.active == 4, "the evicted slot is not released twice"
-    assert factory.counts[Outcome.SHORT] == 0
-    oldest.dataReceived(wire.GET_HOST_PID_REQUEST)
-    assert oldestTransport.value() == b"", "an evicted connection is never answered"
-    clock.advance(DEADLINE)
-    assert factory.counts[Outcome.DEADLINE] == 4, "the others' deadlines, not the evicted one's"
-    assert factory.counts[Outcome.EVICTED] == 1
-
-
-def test_eviction_follows_arrival_order(factory, pair) -> None:
-    held = [connect(factory, pair[0]) for _ in range(4)]
-    for index in range(4):
-        connect(factory, pair[0])
-        assert [t.disconnecting for _, t in held] == [i <= index for i in range(4)]
-    assert factory.counts[Outcome.EVICTED] == 4
-
-
-def test_a_partial_request_can_be_evicted(factory, pair) -> None:
-    held = [connect(factory, pair[0]) for _ in range(4)]
-    held[0][0].dataReceived(wire.GET_HOST_PID_REQUEST[:4])
-    connect(factory, pair[0])
-    assert held[0][1].disconnecting and held[0][1].value() == b""
-
-
-def test_an_answered_connection_is_never_evicted(factory, pair) -> None:
-    """Answered but still closing: not waiting, so the next waiting one goes."""
-    held = [connect(factory, pair[0]) for _ in range(4)]
-    first, firstTransport = held[0]
-    first.dataReceived(wire.GET_HOST_PID_REQUEST)
-    connect(factory, pair[0])
-    assert firstTransport.value() == wire.encode_ok(os.getpid())
-    assert held[1][1].disconnecting and held[1][1].value() == b""
-    assert factory.counts[Outcome.EVICTED] == 1
-
-
-def test_over_limit_only_when_no_connection_is_waiting(factory, pair) -> None:
-    """
-    Every slot held by an answered connection still closing: nothing can be
-    evicted, so the newcomer is refused; once one closes, its slot is free.
-    """
-    held = [connect(factory, pair[0]) for _ in range(4)]
-    for protocol, _ in held:
-        protocol.dataReceived(wire.GET_HOST_PID_REQUEST)
-    assert factory.buildProtocol(None) is None  # type: ignore[arg-type]
-    assert factory.counts[Outcome.OVER_LIMIT] == 1
-    end(held[0][0])
-    assert factory.active == 3
-    assert factory.buildProtocol(None) is not None  # type: ignore[arg-type]
-
-
-def test_finished_connections_leave_the_waiting_set(factory, pair, clock) -> None:
-    """Deadline, half-close and loss all take a connection out of the eviction order."""
-    expired, _ = connect(factory, pair[0])
-    clock.advance(DEADLINE)
-    halfClosed, _ = connect(factory, pair[0])
-    halfClosed.readConnectionLost()
-    lost, _ = connect(factory, pair[0])
-    end(lost)
-    assert factory.waiting == 0
-    end(expired)
-    end(halfClosed)
-    assert factory.active == 0
-
-
-def test_when_idle(factory, pair) -> None:
-    protocol, _ = connect(factory, pair[0])
+def test_when_idle(factory) -> None:
+    factory.transactionStarted()
     called = []
     factory.whenIdle(lambda: called.append(1))
     assert called == []
-    end(protocol)
+    factory.transactionEnded()
     assert called == [1]
     factory.whenIdle(lambda: called.append(2))
     assert called == [1, 2]
@@ -367,3 +138,26 @@ class TestFastPath:
         client.close()
         assert factory.answerWaiting(server) is None
         assert factory.counts[Outcome.SHORT] == 1
+
+
+class AcceptTimeIdentifier(RecordingIdentifier):
+    """Records the accept time each check was given; its accept clock is a counter."""
+
+    def __init__(self) -> None:
+        super().__init__(7)
+        self.readings = iter(range(1000, 2000))
+        self.acceptClock = lambda: next(self.readings)
+        self.accepted: list[int] = []
+
+    def host_pid(self, sock: socket.socket, accepted: int = 0) -> int:
+        self.accepted.append(accepted)
+        return super().host_pid(sock, accepted)
+
+
+def test_the_fast_path_reads_the_accept_time_before_the_request(pair) -> None:
+    identifier = AcceptTimeIdentifier()
+    factory = BrokerFactory(MemoryReactorClock(), deadline=DEADLINE, identifier=identifier)
+    pair[1].sendall(wire.GET_HOST_PID_REQUEST)
+    assert factory.answerWaiting(pair[0]) is None
+    assert pair[1].recv(64) == wire.encode_ok(7)
+    assert identifier.accepted == [1000]

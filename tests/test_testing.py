@@ -131,10 +131,10 @@ class TestAnswers:
 
 
 class TestPolicy:
-    def test_every_check_on_but_the_read_only_mount(self) -> None:
+    def test_every_check_on_but_the_read_only_mount_and_peer_pid(self) -> None:
         with FakeBroker() as broker:
             policy = broker.policy
-            assert policy.turned_off == frozenset({"read-only-mount"})
+            assert policy.turned_off == frozenset({"read-only-mount", "peer-pid"})
             assert policy.trusted_uid == os.geteuid()
             assert policy.deadline == hostpid.TrustPolicy().deadline
             directory = os.lstat(os.path.dirname(policy.socket_path))

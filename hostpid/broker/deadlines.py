@@ -41,11 +41,13 @@ class ArrivalDeadlines(Generic[T]):
     def __len__(self) -> int:
         return len(self._expires)
 
-    def start(self, item: T) -> None:
-        """Start C{item}'s deadline now."""
-        self._expires[item] = self._clock.seconds() + self._timeout
+    def start(self, item: T) -> float:
+        """Start C{item}'s deadline now; return now (one clock read for both)."""
+        now = self._clock.seconds()
+        self._expires[item] = now + self._timeout
         if self._call is None:
             self._call = self._clock.callLater(self._timeout, self._fire)
+        return now
 
     def stop(self, item: T) -> None:
         """Forget C{item} (nothing happens if it is not tracked)."""

@@ -39,9 +39,16 @@ unless L{PassedDescriptors.hasRoom}: the soft C{RLIMIT_NOFILE} (read once),
 minus the broker's own descriptors (counted once at start, plus the metrics
 server's), the connections open and the descriptors the closer still holds,
 leaves room for C{SCM_MAX_FD} plus L{ROOM_MARGIN}, I{and} the closer's queue
-has room for C{SCM_MAX_FD} more.  Without room a reader stops reading until
-the closer has freed enough (L{PassedDescriptors.waitForRoom}), and a
-connection being closed is handed to the closer whole, undrained.
+has room for C{SCM_MAX_FD} more.  Without room, reads do not stop: they peek
+first and take only bytes that carry no descriptor
+(L{PassedDescriptors.receiveWithoutRoom}); a connection whose queue holds
+descriptors is then handed to the closer whole, unread.
+
+No close holds a thread for long (L{hostpid.broker.closewatch}): the
+closer's threads and the reactor's own closes are watched, and a close still
+running at two consecutive looks of the watchdog (about 40 ms) is
+interrupted with a signal, which ends a lingering socket's wait however
+deeply it was nested.
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ from typing import Any
 from twisted.logger import Logger
 
 from hostpid import defaults
+from hostpid.broker.closewatch import CloseGuard, CloseWatch, default_watch
 
 #: C{SO_PASSRIGHTS} from C{asm-generic/socket.h} (Linux 6.16); Python 3.11 has no constant.
 SO_PASSRIGHTS = 83
@@ -80,6 +88,7 @@ _MSG_CTRUNC = int(socket.MSG_CTRUNC)
 _SO_OOBINLINE = int(socket.SO_OOBINLINE)
 _SHUT_RD = int(socket.SHUT_RD)
 _PEEK_FLAGS = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)
+_DONTWAIT = int(socket.MSG_DONTWAIT)
 _SOL_SOCKET = int(socket.SOL_SOCKET)
 _INTERNET = frozenset({int(socket.AF_INET), int(socket.AF_INET6)})
 _LINGER_RESET = struct.pack("ii", 1, 0)
@@ -89,18 +98,18 @@ _LINGER_RESET = struct.pack("ii", 1, 0)
 DRAIN_READS = 8
 _DRAIN_SIZE = 65536
 
-#: Threads of the background closer, and descriptors it may hold waiting.
+#: Threads of the background closer, descriptors it may hold waiting (room
+#: for two full messages), and threads it may start in all, replacing
+#: threads stuck in a close that ignores interrupts.
 CLOSER_THREADS = 2
-CLOSER_QUEUE = 256
+CLOSER_QUEUE = 2 * 256
+CLOSER_MAX_THREADS = 8
 
 #: Descriptors kept free beyond one full message before any read with an
 #: ancillary buffer: the connection in hand, a transient pidfd, a log file
 #: reopened, a metrics connection accepted meanwhile.
 ROOM_MARGIN = 16
 
-#: When the table lacks room even with the closer empty (the connections
-#: alone fill it), how often a paused reader looks again.
-ROOM_RECHECK = 0.05
 
 
 class DescriptorMode(enum.Enum):
@@ -133,31 +142,56 @@ class BackgroundCloser:
     """
     Closes descriptors on a few daemon threads, so a close that blocks (a
     lingering socket inside a passed Unix socket's queue, a FUSE file, a
-    terminal draining its output) blocks one of them, never the reactor.
+    terminal draining its output) blocks one of them, never the reactor;
+    and each such close is cut short by L{CloseWatch}, which interrupts a
+    thread found inside one close for two of its looks (about 40 ms).
 
     Bounded by admission, not by refusal (refusing a descriptor already
     received would mean closing it here, which is what this class exists to
-    avoid): L{PassedDescriptors} reads no message unless L{room} can take a
-    full one, so at most C{limit} I{received} descriptors wait.  Connections
-    handed over whole (one descriptor each, already counted among the
-    connections) may come on top.  L{saturated} also tells the listening port
-    to stop accepting.  L{whenPendingAtMost} lets a paused reader be woken
-    from a closer thread.  The threads start on first use and are never
-    joined: a close that blocks cannot be waited for.
+    avoid): L{PassedDescriptors} makes no read that could carry a full
+    message unless L{room} can take it, so at most C{limit} I{received}
+    descriptors wait.  Connections handed over whole (one descriptor each,
+    already counted among the connections) may come on top.  L{saturated}
+    tells the listening port to stop accepting until the queue drains.
+
+    After each close the thread also closes a throwaway Unix socket pair:
+    on kernels before 6.10 that runs the Unix garbage collector I{here}, so
+    in-flight garbage our close just made (a passed socket that carries
+    itself) is freed in a guarded closer thread, not in the next thread that
+    happens to close a Unix socket (the reactor's).
+
+    A thread whose close ignores interrupts (L{CloseWatch} reports it stuck)
+    is replaced by a fresh one, up to L{CLOSER_MAX_THREADS} in all, so
+    descriptors behind it keep closing.  The threads start on first use and
+    are never joined: a close that blocks cannot be waited for.
     """
 
     log = Logger()
 
-    def __init__(self, threads: int = CLOSER_THREADS, limit: int = CLOSER_QUEUE) -> None:
+    def __init__(
+        self,
+        threads: int = CLOSER_THREADS,
+        limit: int = CLOSER_QUEUE,
+        watch: CloseWatch | None = None,
+        maxThreads: int = CLOSER_MAX_THREADS,
+    ) -> None:
         self.limit = limit
         self._threads = threads
+        self._maxThreads = max(threads, maxThreads)
+        if watch is None:
+            # The process's watchdog, installed here (the broker builds its
+            # closer in the reactor's thread, the main one).  A watch given
+            # by the caller is the caller's to install.
+            watch = default_watch()
+            watch.install()
+        self._watch = watch
         self._queue: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._started = False
+        self._started = 0
+        self._replaced: set[CloseGuard] = set()
         #: Descriptors submitted and not yet closed (waiting or being closed).
         self.pending = 0
         self.closed = 0
-        self._waiter: tuple[int, Callable[[], None]] | None = None
 
     @property
     def saturated(self) -> bool:
@@ -168,49 +202,80 @@ class BackgroundCloser:
         """Descriptors the queue can still take within its bound."""
         return self.limit - self.pending
 
-    def whenPendingAtMost(self, threshold: int, callback: Callable[[], None]) -> bool:
-        """
-        Call C{callback} I{from a closer thread} once at most C{threshold}
-        descriptors are pending (it must be thread-safe, e.g. wrap
-        C{reactor.callFromThread}).  One waiter at a time: a new call
-        replaces the previous one.
+    @property
+    def watch(self) -> CloseWatch:
+        """The watchdog that bounds this closer's closes."""
+        return self._watch
 
-        @return: C{False}, and no call, if that is already the case.
-        """
-        with self._lock:
-            if self.pending <= threshold:
-                return False
-            self._waiter = (threshold, callback)
-            return True
+    @property
+    def interruptible(self) -> bool:
+        """Whether closes can be interrupted here (see L{CloseWatch.install})."""
+        return self._watch.active
+
+    @property
+    def interrupted(self) -> int:
+        """Closes the watchdog interrupted (process-wide)."""
+        return self._watch.interrupted
+
+    @property
+    def stuck(self) -> int:
+        """Threads stuck in a close that ignores interrupts (process-wide)."""
+        return self._watch.stuck
 
     def submit(self, fd: int) -> None:
         with self._lock:
             self.pending += 1
-            if not self._started:
-                self._started = True
-                for n in range(self._threads):
-                    threading.Thread(
-                        target=self._run, name=f"hostpid-closer-{n}", daemon=True
-                    ).start()
+            start = self._threads - self._started
+            self._started += max(start, 0)
+        for _ in range(start):
+            self._startThread()
         self._queue.put(fd)
 
+    def _startThread(self) -> None:
+        threading.Thread(target=self._run, name="hostpid-closer", daemon=True).start()
+
+    def _replace(self, guard: CloseGuard) -> None:
+        """From the watchdog: C{guard}'s thread is stuck; carry on without it."""
+        with self._lock:
+            if self._started >= self._maxThreads:
+                return
+            self._started += 1
+            self._replaced.add(guard)
+        self._startThread()
+
     def _run(self) -> None:
+        guard = self._watch.guard(threading.current_thread().name, self._replace)
         while True:
             fd = self._queue.get()
+            guard.closes += 1
+            guard.busy = True
             try:
                 os.close(fd)
             except OSError:
                 pass
-            fire = None
+            _collect_unix_garbage()
+            guard.busy = False
             with self._lock:
                 self.pending -= 1
                 self.closed += 1
-                waiter = self._waiter
-                if waiter is not None and self.pending <= waiter[0]:
-                    self._waiter = None
-                    fire = waiter[1]
-            if fire is not None:
-                fire()
+                replaced = guard in self._replaced
+                if replaced:
+                    # A fresh thread took over while this one was stuck.
+                    self._replaced.discard(guard)
+                    self._started -= 1
+            if replaced:
+                self._watch.forget(guard)
+                return
+
+
+def _collect_unix_garbage() -> None:
+    """Close a throwaway Unix socket pair (see L{BackgroundCloser})."""
+    try:
+        left, right = _socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    except OSError:
+        return
+    left.close()
+    right.close()
 
 
 class PassedDescriptors:
@@ -219,9 +284,13 @@ class PassedDescriptors:
     pass descriptors, with no step that can block the reactor thread.
 
     @ivar received: descriptors received so far (all disposed of).
-    @ivar paused: times a read was put off for lack of room.
+    @ivar withoutRoom: reads made by peeking first (L{receiveWithoutRoom}),
+        because the table or the closer lacked room for a full message.
     @ivar outOfBand: whether this kernel queues out-of-band messages on Unix
         stream sockets, so that each connection needs C{SO_OOBINLINE}.
+    @ivar guard: the reactor thread's closes, watched by L{CloseWatch}: on
+        kernels before 6.10 closing any Unix socket may run the garbage
+        collector, and free someone's in-flight garbage, in this thread.
     """
 
     def __init__(
@@ -236,6 +305,7 @@ class PassedDescriptors:
         """
         @param connections: how many connections the broker holds now (the
             factory's active transactions), asked before each read.
+        @param reactor: where the watchdog's log lines are emitted from.
         @param descriptorLimit: the table's size; by default the soft
             C{RLIMIT_NOFILE} now.
         @param reserved: descriptors the broker holds for itself; by default
@@ -246,21 +316,24 @@ class PassedDescriptors:
         self.outOfBand = unix_out_of_band_supported() if outOfBand is None else outOfBand
         self.closer = closer if closer is not None else BackgroundCloser()
         self.received = 0
-        self.paused = 0
+        self.withoutRoom = 0
         self._connections = connections
-        self._reactor = reactor
         self.descriptorLimit = (
             _soft_descriptor_limit() if descriptorLimit is None else descriptorLimit
         )
         self.reserved = _descriptors_open_now() + defaults.METRICS_MAX_CONNECTIONS \
             if reserved is None else reserved
-        self._waiters: list[Callable[[], None]] = []
+        watch = self.closer.watch
+        if reactor is not None:
+            watch.install(reactor)
+        self.guard = watch.guard("the reactor thread")
 
     def hasRoom(self) -> bool:
         """
         Whether a read may carry a full C{SCM_RIGHTS} message: the table has
         room for it (and L{ROOM_MARGIN}), and so has the closer's queue.
-        Counters only: no system call.
+        Counters only: no system call.  Without room, reads go through
+        L{receiveWithoutRoom}: slower, never stopped.
         """
         pending = self.closer.pending
         return (
@@ -269,40 +342,49 @@ class PassedDescriptors:
             >= SCM_MAX_FD + ROOM_MARGIN
         )
 
-    def waitForRoom(self, resume: Callable[[], None]) -> None:
+    def receiveWithoutRoom(self, sock: _socket.socket, size: int) -> tuple[bytes, bool]:
         """
-        Call C{resume} (in the reactor thread) once the closer has freed
-        enough for L{hasRoom} to hold with today's connections; the caller
-        has stopped reading meanwhile.  C{resume} should check L{hasRoom}
-        again: room may have been taken first by another reader.
+        Read without room for a full message: peek first with no ancillary
+        buffer, and read only if the peek met no descriptor.
+
+        A peek never drops a queued descriptor's last reference (see
+        L{release}), and with no ancillary buffer it installs none either: the
+        kernel sets C{MSG_CTRUNC} and takes its loaned references back.  A
+        stream peek stops after the first message that carries descriptors
+        and reports it, so bytes peeked without C{MSG_CTRUNC} all come from
+        messages without any, and reading exactly that many (we are the only
+        reader) cannot reach one.  With C{MSG_CTRUNC} nothing is read, not
+        even clean bytes before the message: conservative, and no real
+        client passes descriptors.  Two system calls instead of one, only while L{hasRoom}
+        says no, so a closer still busy, or a low C{RLIMIT_NOFILE}, slows
+        reads down but never stops them.
+
+        @return: the bytes read, and whether descriptors are waiting: then
+            nothing was read, and the connection must be closed whole
+            (L{release} hands it to the closer with its queue).
+        @raise OSError: as C{recvmsg} (C{BlockingIOError}: nothing waiting).
         """
-        self.paused += 1
-        self._waiters.append(resume)
-        if len(self._waiters) > 1:
-            return  # already registered with the closer
-        threshold = min(
-            self.closer.limit - SCM_MAX_FD,
-            self.descriptorLimit - self.reserved - self._connections()
-            - SCM_MAX_FD - ROOM_MARGIN,
-        )
-        reactor = self._getReactor()
-        if threshold < 0 or not self.closer.whenPendingAtMost(
-            threshold, lambda: reactor.callFromThread(self._resumeAll)
-        ):
-            # The closer is not what lacks: connections fill the table.
-            reactor.callLater(ROOM_RECHECK, self._resumeAll)
+        self.withoutRoom += 1
+        data, _ancillary, flags, _ = sock.recvmsg(size, 0, _PEEK_FLAGS)
+        if flags & _MSG_CTRUNC:
+            return b"", True
+        if not data:
+            return data, False
+        return sock.recv(len(data), _DONTWAIT), False
 
-    def _resumeAll(self) -> None:
-        waiters, self._waiters = self._waiters, []
-        for resume in waiters:
-            resume()
+    def readFirst(self, sock: _socket.socket, size: int) -> bytes | None:
+        """
+        The fast path's read of a connection just accepted: L{prepare}, then
+        L{receiveFirst} with room or L{receiveWithoutRoom} without.
 
-    def _getReactor(self) -> Any:
-        if self._reactor is None:
-            from twisted.internet import reactor
-
-            self._reactor = reactor
-        return self._reactor
+        @return: the bytes read, or C{None} if the message carried (or, read
+            without room, has) descriptors.
+        """
+        if self.hasRoom():
+            return self.receiveFirst(sock, size)
+        self.prepare(sock)
+        data, carried = self.receiveWithoutRoom(sock, size)
+        return None if carried else data
 
     def prepare(self, sock: _socket.socket) -> None:
         """
@@ -376,7 +458,7 @@ class PassedDescriptors:
             return False
         try:
             if not sock.recv(1, _PEEK_FLAGS):
-                sock.close()
+                self._closeHere(sock)
                 return False
         except ConnectionResetError:
             # The peer closed without reading our reply: reported once, then
@@ -406,10 +488,18 @@ class PassedDescriptors:
                 self._dispose(ancillary)
             elif not data:
                 # End of file after SHUT_RD: the queue is empty for good.
-                sock.close()
+                self._closeHere(sock)
                 return found
         self.closer.submit(sock.detach())
         return found
+
+    def _closeHere(self, sock: _socket.socket) -> None:
+        """Close C{sock} in this thread, watched (see L{guard})."""
+        guard = self.guard
+        guard.closes += 1
+        guard.busy = True
+        sock.close()
+        guard.busy = False
 
     def _dispose(self, ancillary: list[tuple[int, int, bytes]]) -> None:
         for level, kind, payload in ancillary:

@@ -45,8 +45,10 @@ from twisted.web.server import Request, Site
 import hostpid
 from hostpid import defaults
 from hostpid.broker.descriptors import DescriptorMode
+from hostpid.broker.port import PAUSE_CLOSER, PAUSE_RESOURCES
 from hostpid.broker.server import LATENCY_BUCKETS, Outcome
 from hostpid.broker.service import BrokerService
+from hostpid.peercred import LivenessCheck
 
 
 class BrokerCollector:
@@ -110,9 +112,22 @@ class BrokerCollector:
         yield self._gauge(
             "hostpid_broker_pidfd_check",
             "1 when callers are verified with SO_PEERPIDFD, 0 when the kernel lacks it "
-            "(SO_PEERCRED alone), -1 before the first caller.",
+            "(see hostpid_broker_liveness_check for what is used instead), -1 before the "
+            "first caller.",
             -1 if supported is None else int(supported),
         )
+        check = factory.identifier.check if factory is not None else None
+        liveness = GaugeMetricFamily(
+            "hostpid_broker_liveness_check",
+            "1 for the check in force that the process that connected still owns its PID: "
+            "peerpidfd (SO_PEERPIDFD, Linux 6.5+), pidfd_open (older kernels: the PID looked "
+            "up again and its start time compared with the accept) or none (pidfd_open "
+            "refused: SO_PEERCRED alone); all 0 before the first caller.",
+            labels=["check"],
+        )
+        for kind in LivenessCheck:
+            liveness.add_metric([kind.value], int(kind is check))
+        yield liveness
         mode = broker.port.descriptorMode if broker.port is not None else None
         passing = GaugeMetricFamily(
             "hostpid_broker_descriptor_passing",
@@ -129,21 +144,46 @@ class BrokerCollector:
             "Passed descriptors waiting for, or in, a close on the background closer's threads.",
             passed.closer.pending if passed is not None else 0,
         )
+        yield self._counter(
+            "hostpid_broker_closes_interrupted",
+            "Closes of passed descriptors (or of connections carrying them) that the watchdog "
+            "cut short with a signal, because they would have held a broker thread.",
+            passed.closer.interrupted if passed is not None else 0,
+        )
+        yield self._gauge(
+            "hostpid_broker_closes_stuck",
+            "Broker threads inside a close that ignored interrupts for 2 s or more.",
+            passed.closer.stuck if passed is not None else 0,
+        )
+        yield self._counter(
+            "hostpid_broker_reads_without_room",
+            "Reads made by peeking first, because the descriptor table or the background "
+            "closer lacked room for a full SCM_RIGHTS message.",
+            passed.withoutRoom if passed is not None else 0,
+        )
+        port = broker.port
+        paused = GaugeMetricFamily(
+            "hostpid_broker_accept_paused",
+            "1 while accepting is paused, by reason: closer (passed descriptors still closing "
+            "fill the background closer) or resources (EMFILE/ENFILE/ENOBUFS/ENOMEM).",
+            labels=["reason"],
+        )
+        for label, reason in (("closer", PAUSE_CLOSER), ("resources", PAUSE_RESOURCES)):
+            paused.add_metric([label], int(port is not None and port.pauseReason == reason))
+        yield paused
         resource_errors = broker.port.resourceErrors if broker.port is not None else 0
-        errors = CounterMetricFamily(
+        yield self._counter(
             "hostpid_broker_accept_resource_errors",
             "Accept attempts that failed for lack of descriptors or memory (then backed off).",
+            resource_errors,
         )
-        errors.add_metric([], resource_errors)
-        yield errors
-        mountpoint = CounterMetricFamily(
+        yield self._counter(
             "hostpid_broker_mountpoint_events",
             "Times the broker mountpoint <lock parent>/hostpid went missing or was replaced "
             "while the broker served (a root workload's rmdir detaches the broker mount in "
             "every running container).",
+            broker.mountpointWatch.events,
         )
-        mountpoint.add_metric([], broker.mountpointWatch.events)
-        yield mountpoint
         yield self._gauge(
             "hostpid_broker_metrics_connections",
             "Connections the metrics server holds now "
@@ -169,6 +209,10 @@ class BrokerCollector:
     @staticmethod
     def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
         return GaugeMetricFamily(name, documentation, value=value)
+
+    @staticmethod
+    def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+        return CounterMetricFamily(name, documentation, value=value)
 
 
 class MetricsResource(Resource):
@@ -217,7 +261,7 @@ class ReadyResource(Resource):
             )
         if broker.ready():
             return _text(request, 200, f"ready: listening on {broker.socketPath}")
-        problem = broker.socketPathProblem() if broker.listening else None
+        problem = broker.servingProblem() if broker.listening else None
         return _text(request, 503, f"not ready: {broker.socketPath}: {problem or 'not listening'}")
 
 

@@ -19,13 +19,14 @@ umask that yields 0666 directly, records the socket's identity, removes the
 path on close only if that identity still matches, backs off on resource
 errors (5 ms doubling to 1 s, then recovers by itself), treats any other
 accept error as fatal to the broker, and gives every accepted connection to
-the factory's fast path before building a protocol for it.
+the factory's fast path, and what that does not answer to the waiting room
+(L{hostpid.broker.waiting}), with no Twisted transport.
 
 It also decides how descriptors passed by clients are met (see
 L{hostpid.broker.descriptors}): refused by the kernel through
-C{SO_PASSRIGHTS} on the listener, or, where the kernel lacks it, received by
-L{ReceivingServer} on the general path and by the factory's receiving fast
-path.
+C{SO_PASSRIGHTS} on the listener, or, where the kernel lacks it, received
+through L{PassedDescriptors} on the general path and by the factory's
+receiving fast path.
 """
 
 from __future__ import annotations
@@ -36,10 +37,9 @@ import os
 import socket
 import stat
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
-from twisted.internet import main, tcp, unix
-from twisted.internet.address import UNIXAddress
+from twisted.internet import tcp, unix
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -58,6 +58,7 @@ from hostpid.broker.fsrules import (
     remove_socket_if_ours,
 )
 from hostpid.broker.server import BrokerFactory
+from hostpid.broker.waiting import WaitingRoom
 
 #: Accept errors that mean "out of a resource for now": back off and retry.
 RESOURCE_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
@@ -67,10 +68,6 @@ CONNECTION_ERRORS = frozenset({errno.ECONNABORTED, errno.EPERM, errno.EPROTO, er
 BACKOFF_INITIAL = 0.005
 BACKOFF_MAX = 1.0
 
-#: What the factory is told about every peer: a client's Unix socket is
-#: normally unnamed, and the broker identifies callers by SO_PEERCRED only.
-_PEER_ADDRESS = UNIXAddress(None)
-
 #: Connections accepted per reactor turn at most, so that timers and other
 #: sockets are served even under a flood.
 ACCEPTS_PER_TURN = 128
@@ -78,51 +75,11 @@ ACCEPTS_PER_TURN = 128
 #: While the background closer is saturated, how often to look again.
 CLOSER_RECHECK = 0.05
 
-
-class ReceivingServer(unix.Server):
-    """
-    The general path's transport where clients can pass descriptors.
-
-    Twisted's own C{doRead} receives them with C{recvmsg}, logs a line for
-    every message that carries any (a client can flood the log), and closes
-    them in the reactor thread (a lingering socket blocks it).  This one
-    reads through the factory's L{PassedDescriptors}, tells the protocol
-    (which ends the transaction with no reply, counted), and closes the
-    connection without dropping a passed descriptor's last reference here.
-    """
-
-    def _passed(self) -> PassedDescriptors:
-        passed = cast(BrokerFactory, self.server.factory).passed
-        assert passed is not None, "ReceivingServer without PassedDescriptors"
-        return passed
-
-    def doRead(self) -> Any:
-        passed = self._passed()
-        if not passed.hasRoom():
-            # A read now could overflow the descriptor table, and the kernel
-            # would release what does not fit here.  Read again once the
-            # closer has freed room.
-            self.stopReading()
-            passed.waitForRoom(self._resumeReading)
-            return None
-        try:
-            data, carried = passed.receive(self.socket, self.bufferSize)
-        except BlockingIOError:
-            return None
-        except OSError:
-            return main.CONNECTION_LOST
-        if carried:
-            self.protocol.descriptorsReceived()  # type: ignore[attr-defined]
-            return None
-        return self._dataReceived(data)
-
-    def _resumeReading(self) -> None:
-        if self.connected and not self.disconnecting:
-            self.startReading()
-
-    def _closeSocket(self, orderly: bool) -> None:
-        if self._passed().release(self.socket):
-            self.protocol.descriptorsFound()  # type: ignore[attr-defined]
+#: Why accepting may pause (L{BrokerPort.pauseReason}).
+PAUSE_CLOSER = "passed descriptors still closing fill the background closer"
+PAUSE_RESOURCES = "out of descriptors or memory (accept fails with EMFILE/ENFILE/ENOBUFS/ENOMEM)"
+#: A pause this long (seconds) is logged once and fails readiness.
+PAUSE_REPORTED_AFTER = 1.0
 
 
 class BrokerPort(unix.Port):
@@ -158,11 +115,17 @@ class BrokerPort(unix.Port):
         self._clock: IReactorTime = reactor
         self._expectedUid = os.geteuid() if expectedUid is None else expectedUid
         self.identity: SocketIdentity | None = None
+        #: The connections still waiting for their request (the general path).
+        self.room = WaitingRoom(factory, reactor)
         self._backoff = BACKOFF_INITIAL
         self._acceptsPerTurn = 1
         self._resume: IDelayedCall | None = None
         self.resourceErrors = 0
         self.closerPauses = 0
+        #: While accepting is paused: since when (on the reactor's clock), and why.
+        self.pausedSince: float | None = None
+        self.pauseReason: str | None = None
+        self._pauseReported = False
 
     def startListening(self) -> None:
         """
@@ -213,7 +176,6 @@ class BrokerPort(unix.Port):
             self.factory.receiveDescriptors(
                 PassedDescriptors(connections=lambda: factory.active, reactor=self.reactor)
             )
-            self.transport = ReceivingServer
         skt.listen(self.backlog)
         self.factory.doStart()
         self.connected = True
@@ -251,6 +213,7 @@ class BrokerPort(unix.Port):
     def _acceptBatch(self, factory: BrokerFactory) -> None:
         """One turn's accepts (see L{doRead})."""
         accept = self.socket._accept  # type: ignore[union-attr]
+        admit = self.room.admit
         turn = self._acceptsPerTurn
         accepted = 0
         for _ in range(turn):
@@ -258,6 +221,8 @@ class BrokerPort(unix.Port):
                 fd, addr = accept()
             except BlockingIOError:
                 self._acceptsPerTurn = max(1, accepted)
+                if self.pausedSince is not None:
+                    self._pauseEnded()
                 return
             except OSError as e:
                 if e.errno in RESOURCE_ERRORS:
@@ -268,25 +233,13 @@ class BrokerPort(unix.Port):
                 self._onFatal(Failure())
                 return
             accepted += 1
+            if self.pausedSince is not None:
+                self._pauseEnded()
             self._backoff = BACKOFF_INITIAL
             skt = _socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, 0, fd)
             prefix = factory.answerWaiting(skt)
-            if prefix is None:
-                continue
-            protocol = factory.buildProtocol(_PEER_ADDRESS)
-            if protocol is None:
-                if factory.passed is not None:
-                    # Over the limit, maybe part-read: its queue may hold descriptors.
-                    factory.passed.release(skt)
-                else:
-                    skt.close()
-                continue
-            session = self.sessionno
-            self.sessionno = session + 1
-            transport = self.transport(skt, protocol, addr, self, session, self.reactor)
-            protocol.makeConnection(transport)
-            if prefix:
-                protocol.dataReceived(prefix)
+            if prefix is not None:
+                admit(skt, prefix)
         self._acceptsPerTurn = min(turn * 2, ACCEPTS_PER_TURN)
 
     def _pauseAccepting(self, error: OSError) -> None:
@@ -304,6 +257,7 @@ class BrokerPort(unix.Port):
                 delay=self._backoff,
                 count=self.resourceErrors,
             )
+        self._paused(PAUSE_RESOURCES)
         self.stopReading()
         self._resume = self._clock.callLater(self._backoff, self._resumeAccepting)
         self._backoff = min(self._backoff * 2, BACKOFF_MAX)
@@ -322,8 +276,43 @@ class BrokerPort(unix.Port):
                 pending=self.factory.passed.closer.pending,  # type: ignore[union-attr]
                 count=self.closerPauses,
             )
+        self._paused(PAUSE_CLOSER)
         self.stopReading()
         self._resume = self._clock.callLater(CLOSER_RECHECK, self._resumeAccepting)
+
+    def _paused(self, reason: str) -> None:
+        """Accepting is paused for C{reason}; say so once it lasts."""
+        now = self._clock.seconds()
+        if self.pausedSince is None or self.pauseReason != reason:
+            self.pausedSince, self.pauseReason, self._pauseReported = now, reason, False
+        elif not self._pauseReported and now - self.pausedSince >= PAUSE_REPORTED_AFTER:
+            self._pauseReported = True
+            self.log.warn(
+                "hostpid-broker: not accepting for {seconds:.1f}s: {reason}; not ready "
+                "until accepting again",
+                seconds=now - self.pausedSince, reason=reason,
+            )
+
+    def _pauseEnded(self) -> None:
+        if self._pauseReported:
+            self.log.info(
+                "hostpid-broker: accepting again after {seconds:.1f}s ({reason})",
+                seconds=self._clock.seconds() - (self.pausedSince or 0.0),
+                reason=self.pauseReason,
+            )
+        self.pausedSince, self.pauseReason, self._pauseReported = None, None, False
+
+    def pauseProblem(self) -> str | None:
+        """
+        Why accepting has been paused for L{PAUSE_REPORTED_AFTER} or more
+        (readiness fails then), or C{None}.
+        """
+        if self.pausedSince is None:
+            return None
+        seconds = self._clock.seconds() - self.pausedSince
+        if seconds < PAUSE_REPORTED_AFTER:
+            return None
+        return f"not accepting for {seconds:.1f}s: {self.pauseReason}"
 
     def _resumeAccepting(self) -> None:
         self._resume = None

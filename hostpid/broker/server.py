@@ -1,24 +1,22 @@
 """
 The broker's transaction: one 8-byte request in, one 12-byte reply out.
 
-Three pieces, from the inside out:
+Two pieces here, and the general path beside them:
 
   - L{answer}: the rule itself.  Given the 8 request bytes and a way to ask
     the kernel who the peer is, it returns the reply bytes or C{None} (close
-    with no reply), and says which L{Outcome} that was.  Both the general
-    path and the fast path below go through it, so there is one rule.
-  - L{BrokerProtocol}: the general path, a small state machine for clients
-    that fragment their request, are slow, or half-close.  It buffers exactly
-    8 bytes, runs one transaction deadline on an injected clock from
-    connection to reply, and never outlives that deadline.
-  - L{BrokerFactory}: counts active transactions, and when every slot is
-    held gives a newcomer the slot of the oldest connection still waiting
-    for its request (which is closed with no reply: I{evicted}); counts
-    every outcome and logs failures rate-limited.  It also offers
-    L{BrokerFactory.answerWaiting}, the fast path the listening port uses for a
-    request that is already waiting when its connection is accepted: answered
-    at once, with no protocol, transport or timer, and without holding a slot,
-    so silent connections filling every slot cannot starve a real client.
+    with no reply), and says which L{Outcome} that was.  Both paths go
+    through it, so there is one rule.
+  - L{BrokerFactory}: the books (slots, a count per outcome, latency; failures
+    logged rate-limited) and the fast path, L{BrokerFactory.answerWaiting},
+    which the listening port uses for a request that is already waiting when
+    its connection is accepted: answered at once, with no reader, timer or
+    slot, so silent connections filling every slot cannot starve a real
+    client.
+  - The general path, for clients that fragment their request, are slow or
+    half-close, is L{hostpid.broker.waiting}: a raw socket and a minimal
+    reader per connection, one deadline for all, and the fairness rule of
+    L{hostpid.broker.fairness} when every slot is held.
 """
 
 from __future__ import annotations
@@ -27,22 +25,14 @@ import _socket
 import bisect
 import enum
 import socket
-from collections import OrderedDict
 from collections.abc import Callable
 
 import attrs
-from twisted.internet.interfaces import (
-    IAddress,
-    IHalfCloseableProtocol,
-    IReactorTime,
-)
-from twisted.internet.protocol import Factory, Protocol
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.protocol import Factory
 from twisted.logger import Logger
-from twisted.python.failure import Failure
-from zope.interface import implementer
 
 from hostpid import defaults, wire
-from hostpid.broker.deadlines import ArrivalDeadlines
 from hostpid.broker.descriptors import PassedDescriptors
 from hostpid.peercred import PeerGone, PeerIdentifier, PeerUnverified
 
@@ -91,6 +81,19 @@ _FAST_READ = 256
 _RECV_FLAGS = int(socket.MSG_DONTWAIT)
 _SEND_FLAGS = int(socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
 
+#: The share of the slots one peer may hold waiting, by default: with 512
+#: slots, 32.  A real client asks once per process (HAMi-core), so a peer
+#: with more than a handful waiting is a process that opens connections and
+#: does not send; sixteen such processes are needed to fill every slot, and
+#: even then eviction falls on them first.
+PER_PEER_SHARE = 16
+
+
+def max_waiting_per_peer(maxConnections: int) -> int:
+    """The default bound on one peer's waiting connections (at least 1)."""
+    return max(1, maxConnections // PER_PEER_SHARE)
+
+
 #: Upper bounds (seconds) of the transaction latency histogram's buckets.
 LATENCY_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
@@ -118,10 +121,12 @@ class LatencyHistogram:
 
 
 def answer(
-    request: bytes, sock: _socket.socket, identifier: PeerIdentifier
+    request: bytes, sock: _socket.socket, identifier: PeerIdentifier, accepted: int = 0
 ) -> tuple[Outcome, bytes | None]:
     """
-    Decide the reply to C{request} (exactly 8 bytes) arriving on C{sock}.
+    Decide the reply to C{request} (exactly 8 bytes) arriving on C{sock},
+    accepted at C{accepted} (the identifier's L{PeerIdentifier.acceptClock},
+    or 0 where it needs none).
 
     The peer is identified only after the request is known to be valid, and
     anything short of a verified, positive PID closes with no reply: the
@@ -134,7 +139,7 @@ def answer(
     if not wire.is_valid_request(request):
         return Outcome.INVALID, wire.INVALID_REQUEST_RESPONSE
     try:
-        pid = identifier.host_pid(sock)
+        pid = identifier.host_pid(sock, accepted)
     except PeerGone:
         return Outcome.PEER_GONE, None
     except PeerUnverified:
@@ -144,134 +149,15 @@ def answer(
     return Outcome.OK, wire.encode_ok(pid)
 
 
-@implementer(IHalfCloseableProtocol)
-class BrokerProtocol(Protocol):
-    """
-    One transaction on the general path.
-
-    States: I{waiting} (fewer than 8 bytes so far: the factory may evict it
-    to make room for a newer connection) and I{finished} (replied, refused,
-    evicted or timed out; everything after the 8th byte is ignored).  The
-    deadline starts in C{connectionMade} (in the factory's
-    L{ArrivalDeadlines}, one delayed call for all) and stops when the
-    transaction is evicted or the connection is lost, so no timer outlives
-    the connections.
-
-    The protocol holds one of the factory's slots from C{buildProtocol} until
-    C{connectionLost}, or until it is evicted, whichever comes first.
-
-    Half-close is supported: a client that sends its 8 bytes and shuts down
-    its writing side still gets its reply.
-    """
-
-    factory: BrokerFactory
-
-    def __init__(self, factory: BrokerFactory) -> None:
-        self.factory = factory
-        self._buffer = b""
-        self._finished = False
-        self._holdsSlot = True
-        self._started = 0.0
-
-    def connectionMade(self) -> None:
-        self._started = self.factory.clock.seconds()
-        self.factory.deadlines.start(self)
-
-    def dataReceived(self, data: bytes) -> None:
-        if self._finished:
-            return
-        self._buffer += data
-        if len(self._buffer) < wire.REQUEST_SIZE:
-            return
-        self._finished = True
-        self.factory.stopWaiting(self)
-        request = self._buffer[: wire.REQUEST_SIZE]
-        self._buffer = b""
-        outcome, reply = answer(
-            request, self.transport.getHandle(), self.factory.identifier  # type: ignore[union-attr]
-        )
-        self.factory.record(outcome, self._started)
-        if reply is not None:
-            self.transport.write(reply)  # type: ignore[union-attr]
-        self.transport.loseConnection()  # type: ignore[union-attr]
-
-    def readConnectionLost(self) -> None:
-        """The client shut down its writing side: only a short request is lost."""
-        if not self._finished:
-            self._finish(Outcome.SHORT)
-            self.transport.loseConnection()  # type: ignore[union-attr]
-
-    def writeConnectionLost(self) -> None:
-        """The reply is written; nothing else to do."""
-
-    def descriptorsReceived(self) -> None:
-        """
-        The client passed descriptors (already disposed of by the transport):
-        no PID for a message that carried them, whatever else it said.
-        """
-        self.descriptorsFound()
-        self.transport.abortConnection()  # type: ignore[union-attr]
-
-    def descriptorsFound(self) -> None:
-        """Descriptors were found while closing: count it, unless already finished."""
-        if not self._finished:
-            self._finish(Outcome.DESCRIPTORS)
-
-    def evict(self) -> None:
-        """
-        Close this connection, still waiting for its request, with no reply,
-        and give up its slot now: the factory hands the slot to a newer
-        connection at once, while the descriptor itself is closed on the
-        next reactor turn.
-        """
-        self._finish(Outcome.EVICTED)
-        self._cancelDeadline()
-        self._releaseSlot()
-        if self.transport is not None:
-            self.transport.abortConnection()  # type: ignore[attr-defined]
-
-    def _deadlineExpired(self) -> None:
-        """The factory's L{ArrivalDeadlines} found this one's deadline passed."""
-        if not self._finished:
-            self._finish(Outcome.DEADLINE)
-        self.transport.abortConnection()  # type: ignore[union-attr]
-
-    def _finish(self, outcome: Outcome) -> None:
-        self._finished = True
-        self.factory.stopWaiting(self)
-        self.factory.record(outcome)
-
-    def _cancelDeadline(self) -> None:
-        self.factory.deadlines.stop(self)
-
-    def _releaseSlot(self) -> None:
-        if self._holdsSlot:
-            self._holdsSlot = False
-            self.factory.transactionEnded()
-
-    def connectionLost(self, reason: Failure | None = None) -> None:
-        self._cancelDeadline()
-        if not self._finished:
-            self._finish(Outcome.SHORT)
-        self._releaseSlot()
-
-
 class BrokerFactory(Factory):
     """
-    Builds L{BrokerProtocol}s, at most C{maxConnections} at a time, and keeps
-    the books: active transactions and a count per L{Outcome}.
+    The books of the broker's transactions: the slots (at most
+    C{maxConnections} active at once, at most C{maxPerPeer} of them waiting
+    for one peer's requests), a count per L{Outcome} and the latency
+    histogram; and the fast path, L{answerWaiting}.
 
-    When every slot is held, a new connection takes the slot of the oldest
-    one still waiting for its request, which is closed with no reply
-    (L{Outcome.EVICTED}); only when every slot holds a finished transaction
-    whose connection is still closing is the newcomer itself refused
-    (L{Outcome.OVER_LIMIT}).  So silent connections, static or reconnecting,
-    can delay a real client's slot by at most their own lifetime, which
-    under a reconnecting flood is about C{maxConnections / attack rate}
-    seconds instead of zero: a client slow to send between C{connect} and
-    C{send} is answered unless the flood outpaces it by the whole limit.
-    The waiting connections are kept in arrival order in an C{OrderedDict},
-    so finding, evicting and forgetting one are each O(1).
+    The connections that hold slots, and the rule of who gives one up when
+    every slot is held, are L{hostpid.broker.waiting.WaitingRoom}'s.
 
     Failures are logged only when their count reaches a power of two, so a
     flood of bad clients costs a handful of log lines, not one per
@@ -287,11 +173,19 @@ class BrokerFactory(Factory):
         deadline: float = defaults.DEADLINE,
         maxConnections: int = defaults.MAX_CONNECTIONS,
         identifier: PeerIdentifier | None = None,
+        maxPerPeer: int | None = None,
     ) -> None:
+        """
+        @param maxPerPeer: waiting connections one peer (PID) may hold; by
+            default L{max_waiting_per_peer} of C{maxConnections}.
+        """
         self.clock = clock
         self.identifier = identifier if identifier is not None else PeerIdentifier()
         self.deadline = deadline
         self.maxConnections = maxConnections
+        self.maxPerPeer = (
+            max_waiting_per_peer(maxConnections) if maxPerPeer is None else maxPerPeer
+        )
         self.active = 0
         #: Finished transactions, indexed by L{Outcome}.
         self.counts: list[int] = [0] * len(Outcome)
@@ -301,34 +195,10 @@ class BrokerFactory(Factory):
         self.answeredAtAccept = 0
         #: Set by L{receiveDescriptors} where the kernel cannot refuse them.
         self.passed: PassedDescriptors | None = None
-        #: Protocols still waiting for their request, oldest first.
-        self._waiting: OrderedDict[BrokerProtocol, None] = OrderedDict()
-        #: Every open transaction's deadline, behind one delayed call: they
-        #: all have the same length, so they expire in arrival order.
-        self.deadlines: ArrivalDeadlines[BrokerProtocol] = ArrivalDeadlines(
-            clock, deadline, BrokerProtocol._deadlineExpired
-        )
 
-    def buildProtocol(self, addr: IAddress) -> BrokerProtocol | None:  # type: ignore[override]
-        if self.active >= self.maxConnections:
-            if not self._waiting:
-                self.record(Outcome.OVER_LIMIT)
-                return None
-            oldest, _ = self._waiting.popitem(last=False)
-            oldest.evict()
+    def transactionStarted(self) -> None:
+        """A connection took a slot."""
         self.active += 1
-        protocol = BrokerProtocol(self)
-        self._waiting[protocol] = None
-        return protocol
-
-    @property
-    def waiting(self) -> int:
-        """How many connections hold a slot while still waiting for their request."""
-        return len(self._waiting)
-
-    def stopWaiting(self, protocol: BrokerProtocol) -> None:
-        """C{protocol} has its request, or is finished: it can no longer be evicted."""
-        self._waiting.pop(protocol, None)
 
     def transactionEnded(self) -> None:
         self.active -= 1
@@ -365,8 +235,8 @@ class BrokerFactory(Factory):
         """
         The kernel cannot refuse passed descriptors on this listener: read
         and close every connection through C{passed} from now on.  The fast
-        path becomes L{answerWaitingReceiving}; the port's transport does the
-        same on the general path.
+        path becomes L{answerWaitingReceiving}; the general path
+        (L{hostpid.broker.waiting}) reads and closes through C{passed} too.
         """
         self.passed = passed
         self.answerWaiting = self.answerWaitingReceiving  # type: ignore[method-assign]
@@ -380,6 +250,8 @@ class BrokerFactory(Factory):
         socket: return C{None}.  Otherwise return the bytes read so far (maybe
         none) for the general path to continue from.  Never blocks.
         """
+        acceptClock = self.identifier.acceptClock
+        accepted = acceptClock() if acceptClock is not None else 0
         try:
             # Read a little more than the request: bytes after the 8th are
             # ignored, and swallowing them here means closing the socket does
@@ -398,7 +270,7 @@ class BrokerFactory(Factory):
             sock.close()
             self.record(Outcome.SHORT)
             return None
-        outcome, reply = answer(data[: wire.REQUEST_SIZE], sock, self.identifier)
+        outcome, reply = answer(data[: wire.REQUEST_SIZE], sock, self.identifier, accepted)
         if reply is not None:
             try:
                 sock.send(reply, _SEND_FLAGS)
@@ -431,18 +303,15 @@ class BrokerFactory(Factory):
         L{Outcome.DESCRIPTORS}), and close through L{PassedDescriptors} so
         that no descriptor's last reference is dropped in this thread.
         Without room in the descriptor table for a full message
-        (L{PassedDescriptors.hasRoom}) nothing is read here: the connection
-        goes to the general path, whose reads wait for room.
+        (L{PassedDescriptors.hasRoom}) the read peeks first and takes only
+        bytes that carry no descriptor.
         """
         passed = self.passed
         assert passed is not None
+        acceptClock = self.identifier.acceptClock
+        accepted = acceptClock() if acceptClock is not None else 0
         try:
-            if not passed.hasRoom():
-                # No read may carry descriptors now: the general path waits
-                # for room (within the deadline) instead.
-                passed.prepare(sock)
-                return b""
-            data = passed.receiveFirst(sock, _FAST_READ)
+            data = passed.readFirst(sock, _FAST_READ)
         except BlockingIOError:
             return b""
         except OSError:
@@ -459,7 +328,7 @@ class BrokerFactory(Factory):
             passed.release(sock)
             self.record(Outcome.SHORT)
             return None
-        outcome, reply = answer(data[: wire.REQUEST_SIZE], sock, self.identifier)
+        outcome, reply = answer(data[: wire.REQUEST_SIZE], sock, self.identifier, accepted)
         if reply is not None:
             try:
                 sock.send(reply, _SEND_FLAGS)

@@ -45,7 +45,7 @@ from hostpid.broker.port import BrokerPort
 from hostpid.broker.server import BrokerFactory
 from hostpid.errors import PathRuleError
 from hostpid.gate import GATE_ENV, gate_enabled
-from hostpid.peercred import PeerIdentifier
+from hostpid.peercred import LivenessCheck, PeerIdentifier
 
 #: How often the socket path's identity is checked while serving, in seconds.
 WATCH_INTERVAL = 1.0
@@ -57,6 +57,13 @@ FATAL_EXIT_STATUS = 1
 #: mode of kernels without C{SO_PASSRIGHTS}) even where the kernel could
 #: refuse them.  It weakens nothing: that mode is safe, only slower.
 RECEIVE_DESCRIPTORS_ENV = "HOSTPID_BROKER_TEST_RECEIVE_DESCRIPTORS"
+
+#: For tests only: C{"pidfd_open"} makes the broker check callers with the
+#: liveness check of kernels without C{SO_PEERPIDFD} (before Linux 6.5) even
+#: where the kernel has it.  That check is weaker (docs/security.md); the
+#: broker logs that it was forced, and the metrics name the check in force.
+#: No value turns the check off.
+LIVENESS_ENV = "HOSTPID_BROKER_TEST_LIVENESS"
 
 
 def is_default_directory(directory: str) -> bool:
@@ -184,6 +191,7 @@ class BrokerService(Service):
         prepareNode: Callable[[bool], None] | None = None,
         lockParent: str = defaults.LOCK_PARENT,
         receiveDescriptors: bool | None = None,
+        maxPerPeer: int | None = None,
     ) -> None:
         """
         @param prepareNode: what the node side needs ready at every start,
@@ -199,6 +207,9 @@ class BrokerService(Service):
             having the kernel refuse them (C{SO_PASSRIGHTS}), as a kernel
             without that option forces; for tests.  C{None}: as
             L{RECEIVE_DESCRIPTORS_ENV} in C{environ} says (default off).
+        @param maxPerPeer: waiting connections one peer may hold (see
+            L{hostpid.broker.waiting}); C{None}: the factory's default, a
+            sixteenth of C{maxConnections}.
         """
         if reactor is None:
             from twisted.internet import reactor as _reactor
@@ -207,6 +218,7 @@ class BrokerService(Service):
         self.directory = directory
         self.socketPath = os.path.join(directory, defaults.SOCKET_NAME)
         self.maxConnections = maxConnections
+        self.maxPerPeer = maxPerPeer
         self.deadline = deadline
         self.reactor = reactor
         self.enabled = gate_enabled(environ)
@@ -223,6 +235,18 @@ class BrokerService(Service):
             env = os.environ if environ is None else environ
             receiveDescriptors = env.get(RECEIVE_DESCRIPTORS_ENV) == "1"
         self.receiveDescriptors = receiveDescriptors
+        #: Whether L{LIVENESS_ENV} forced the check (said in the log at start).
+        self.livenessForced = False
+        if identifier is None:
+            forced = (os.environ if environ is None else environ).get(LIVENESS_ENV)
+            if forced == LivenessCheck.PIDFD_OPEN.value:
+                self.identifier = PeerIdentifier(check=LivenessCheck.PIDFD_OPEN)
+                self.livenessForced = True
+            elif forced:
+                self.log.warn(
+                    "hostpid-broker: {env}={value!r} ignored (the only value is \"pidfd_open\")",
+                    env=LIVENESS_ENV, value=forced,
+                )
         self.factory: BrokerFactory | None = None
         self.port: BrokerPort | None = None
         self.failed = False
@@ -323,7 +347,8 @@ class BrokerService(Service):
         if state is fsrules.SocketPathState.STALE_REMOVED:
             self.log.info("hostpid-broker: stale socket removed: {path}", path=self.socketPath)
         self.factory = BrokerFactory(
-            self.reactor, self.deadline, self.maxConnections, self.identifier
+            self.reactor, self.deadline, self.maxConnections, self.identifier,
+            maxPerPeer=self.maxPerPeer,
         )
         self.port = BrokerPort(
             self.socketPath,
@@ -347,14 +372,53 @@ class BrokerService(Service):
                 why="forced by " + RECEIVE_DESCRIPTORS_ENV if self.receiveDescriptors
                 else "this kernel has no SO_PASSRIGHTS (Linux 6.16+)",
             )
+            self._logClosesBounded()
+        identifier = self.factory.identifier
+        if self.livenessForced and identifier.check is not None:
+            self.log.warn(
+                "hostpid-broker: liveness check forced to {check} by {env} "
+                "(SO_PEERPIDFD not used even if the kernel has it){refused}{procNote}",
+                check=identifier.check.value, env=LIVENESS_ENV,
+                refused=f"; pidfd_open refused: {identifier.pidfdOpenRefused}"
+                if identifier.pidfdOpenRefused is not None else "",
+                procNote="" if identifier.startTimes else (
+                    "; /proc is not this PID namespace's, so start times are not compared"
+                ),
+            )
         self.log.info(
             "hostpid-broker: listening on {path} (max {maxConnections} active, "
-            "deadline {deadline}s)",
-            path=self.socketPath, maxConnections=self.maxConnections, deadline=self.deadline,
+            "{maxPerPeer} waiting per peer, deadline {deadline}s)",
+            path=self.socketPath, maxConnections=self.maxConnections,
+            maxPerPeer=self.factory.maxPerPeer, deadline=self.deadline,
         )
         self._watch = LoopingCall(self.checkSocketPath)
         self._watch.clock = self.reactor
         self._watch.start(self.watchInterval, now=False)
+
+    def _logClosesBounded(self) -> None:
+        """Mode received: say whether a close that would linger can be cut short."""
+        passed = self.factory.passed if self.factory is not None else None
+        if passed is None:
+            return
+        watch = passed.closer.watch
+        if watch.active:
+            self.log.info(
+                "hostpid-broker: closes are bounded: a close still running after about "
+                "{bound:.0f} ms is interrupted (signal {signum})",
+                bound=2000 * watch.pollBusy, signum=int(watch.signum),
+            )
+        else:
+            self.log.warn(
+                "hostpid-broker: closes cannot be interrupted ({reason}): a passed descriptor "
+                "that lingers holds a closer thread for as long as it lingers",
+                reason=watch.reason,
+            )
+        if not passed.hasRoom():
+            self.log.warn(
+                "hostpid-broker: RLIMIT_NOFILE {limit} leaves no room for a full SCM_RIGHTS "
+                "message: every request is read by peeking first (two system calls)",
+                limit=passed.descriptorLimit,
+            )
 
     def _prepareNode(self) -> None:
         """Run L{prepareNode}; its refusal is the broker's startup refusal."""
@@ -386,11 +450,21 @@ class BrokerService(Service):
         return None
 
     def ready(self) -> bool:
-        """Serving: enabled, listening, not failed, and the path is still ours."""
+        """
+        Serving: enabled, listening, not failed, the path still ours, and
+        accepting (not paused for L{port.PAUSE_REPORTED_AFTER} or more).
+        """
         return (
             self.enabled and self.listening and not self.failed
-            and self.socketPathProblem() is None
+            and self.servingProblem() is None
         )
+
+    def servingProblem(self) -> str | None:
+        """What keeps a listening broker from serving now, or C{None}."""
+        problem = self.socketPathProblem()
+        if problem is None and self.port is not None:
+            problem = self.port.pauseProblem()
+        return problem
 
     def checkSocketPath(self) -> str | None:
         """

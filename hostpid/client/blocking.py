@@ -35,9 +35,11 @@ from hostpid.client.trust import (
     DOCTOR_CHECKS,
     GATE,
     OPTIONAL_CHECKS,
+    PEER_PID,
     PEER_UID,
     READ_ONLY_MOUNT,
     REPLY,
+    SANDBOX,
     SOCKET,
     STRICT,
     CheckResult,
@@ -47,8 +49,11 @@ from hostpid.client.trust import (
     check_directory,
     check_gate,
     check_peer,
+    check_peer_identity,
+    check_peer_pid,
     check_read_only,
     check_reply,
+    check_sandbox,
     check_socket,
     checked_path,
     host_pid_from_reply,
@@ -59,9 +64,10 @@ from hostpid.peercred import PeerCredentials, peer_credentials
 
 __all__ = [
     "CHECKS", "CONNECT", "DEADLINE", "DIRECTORY", "DOCTOR_CHECKS", "GATE", "OPTIONAL_CHECKS",
-    "PEER_UID", "READ_ONLY_MOUNT", "REPLY", "SOCKET", "STRICT", "CheckResult",
-    "HostPidUnavailable", "Layout", "TrustPolicy", "check_directory", "check_gate",
-    "check_peer", "check_read_only", "check_reply", "check_socket", "doctor",
+    "PEER_PID", "PEER_UID", "READ_ONLY_MOUNT", "REPLY", "SANDBOX", "SOCKET", "STRICT",
+    "CheckResult", "HostPidUnavailable", "Layout", "TrustPolicy", "check_directory",
+    "check_gate", "check_peer", "check_peer_identity", "check_peer_pid", "check_read_only",
+    "check_reply", "check_sandbox", "check_socket", "doctor",
     "host_pid_from_reply", "inspect_layout", "lookup_host_pid", "probe", "ProbeReport",
     "query_host_pid", "checked_path",
 ]
@@ -165,6 +171,15 @@ def _transaction(
     checks' verdicts (for a caller that reports what it checked).
     """
     policy.require(check_gate(environ))
+    return _checked_transaction(policy)
+
+
+def _checked_transaction(policy: TrustPolicy) -> tuple[int, tuple[CheckResult, ...]]:
+    """
+    L{_transaction} past the gate: every check of C{policy} on the layout,
+    the peer and the reply.  Only L{probe} starts here, since the gate is a
+    workload's decision to ask, not a property of the broker.
+    """
     layout = inspect_layout(policy)
     try:
         for result in layout.results:
@@ -177,7 +192,8 @@ def _transaction(
                 credentials: PeerCredentials | OSError = peer_credentials(connection.sock)
             except OSError as error:
                 credentials = error
-            policy.require(check_peer(credentials, policy.trusted_uid))
+            for verdict in check_peer_identity(credentials, policy.trusted_uid):
+                policy.require(verdict)
             connection.send(wire.GET_HOST_PID_REQUEST)
             pid = host_pid_from_reply(connection.receive(wire.RESPONSE_SIZE))
             return pid, layout.results
@@ -195,11 +211,14 @@ class ProbeReport:
     @ivar socket_path: the socket probed.
     @ivar pid: the PID the broker answered: this process's own.
     @ivar socket: the C{socket} check's verdict (type, owner UID and mode).
+    @ivar gate: the gate in the probing process's environment, as information
+        only: the probe ran whatever it says.
     """
 
     socket_path: str
     pid: int
     socket: CheckResult
+    gate: CheckResult
 
 
 def probe(
@@ -214,14 +233,22 @@ def probe(
 
     Every trust check applies but C{read-only-mount}: the broker directory is
     writable where the broker and its operator are, and read-only only in a
-    workload's mount.  A workload's question is L{query_host_pid}, not this.
+    workload's mount.  C{peer-pid} and C{sandbox} apply too (from the host
+    PID namespace the listener must have a real PID).  The gate is not
+    required either: it is a workload's decision whether to ask at all, and
+    an operator checking a broker from the host has no reason to carry it in
+    the shell (issue 21).  It is read and reported (L{ProbeReport.gate}) as
+    information.  A workload's question is L{query_host_pid}, not this.
+
+    @param environ: where to read the gate reported (default: C{os.environ}).
 
     @raise HostPidUnavailable: a check or stage failed, or the broker
         answered another PID (check C{reply}).
     @raise ValueError: C{deadline} is not a positive number of seconds.
     """
     policy = TrustPolicy(socket_path=socket_path, deadline=deadline).without(READ_ONLY_MOUNT)
-    pid, results = _transaction(policy, environ)
+    gate = check_gate(environ)
+    pid, results = _checked_transaction(policy)
     own = os.getpid()
     if pid != own:
         raise HostPidUnavailable(
@@ -230,7 +257,7 @@ def probe(
             "(a probe must run in the broker's PID namespace)",
         )
     (socket_result,) = (result for result in results if result.name == SOCKET)
-    return ProbeReport(socket_path=policy.socket_path, pid=pid, socket=socket_result)
+    return ProbeReport(socket_path=policy.socket_path, pid=pid, socket=socket_result, gate=gate)
 
 
 def lookup_host_pid(
@@ -260,9 +287,9 @@ def doctor(
     workload falls back.
 
     The socket is connected to whenever it is a socket, to report its
-    listener's UID; the request is sent only when that UID is trusted (or
-    the policy turned C{peer-uid} off).  A check the policy turned off is
-    still judged, and says so.
+    listener's UID and PID; the request is sent only when both are trusted
+    (or the policy turned the failing one off).  A check the policy turned
+    off is still judged, and says so.
     """
     results: dict[str, CheckResult] = {GATE: check_gate(environ)}
     layout = inspect_layout(policy)
@@ -286,7 +313,7 @@ def doctor(
 
 
 def _first_failure(results: Mapping[str, CheckResult]) -> str:
-    for name in (CONNECT, PEER_UID):
+    for name in (CONNECT, PEER_UID, PEER_PID):
         if name in results and not results[name].ok:
             return f"{name} failed"
     return "an earlier step failed"
@@ -308,8 +335,9 @@ def _doctor_exchange(
         credentials: PeerCredentials | OSError = peer_credentials(connection.sock)
     except OSError as error:
         credentials = error
-    peer = results[PEER_UID] = check_peer(credentials, policy.trusted_uid)
-    if not peer.ok and policy.enforces(PEER_UID):
+    for verdict in check_peer_identity(credentials, policy.trusted_uid):
+        results[verdict.name] = verdict
+    if any(not results[name].ok and policy.enforces(name) for name in (PEER_UID, PEER_PID)):
         return
     try:
         connection.send(wire.GET_HOST_PID_REQUEST)

@@ -7,19 +7,30 @@ L{hostpid.client.txclient}, Twisted) apply exactly these.
 The checks, in order, each failing under a stable name:
 
   1. C{gate}: C{LIBVGPU_HOSTPID_BROKER} is exactly C{"1"};
-  2. C{directory}: the socket's directory is a real directory (not followed
+  2. C{sandbox}: no sign of a sandboxed runtime (gVisor's kernel, a 9p
+     broker directory; L{hostpid.client.sandbox});
+  3. C{directory}: the socket's directory is a real directory (not followed
      if it is a symlink), owned by the trusted UID, with no group or other
      write bit;
-  3. C{socket}: the socket path is a socket (not followed if it is a symlink)
+  4. C{socket}: the socket path is a socket (not followed if it is a symlink)
      owned by the trusted UID;
-  4. C{read-only-mount}: the directory is on a read-only mount;
-  5. C{peer-uid}: after connecting, the kernel's C{SO_PEERCRED} says the
+  5. C{read-only-mount}: the directory is on a read-only mount;
+  6. C{peer-uid}: after connecting, the kernel's C{SO_PEERCRED} says the
      listener runs as the trusted UID (checked before a byte is sent);
-  6. C{reply}: magic C{HPID}, version 1, status 0, a PID in 1..2**31-1.
+  7. C{peer-pid}: the same C{SO_PEERCRED} names a listener where the broker
+     is: PID 0 (outside) from a private PID namespace, where the caller
+     itself is what gVisor reports; a real PID in the host's
+     (L{hostpid.client.peerpid});
+  8. C{reply}: magic C{HPID}, version 1, status 0, a PID in 1..2**31-1.
 
 Two transport stages can also fail a query, and no caller can turn them off:
 C{connect} (the kernel refused the connection) and C{deadline} (one monotonic
-deadline over connect, write and read passed).
+deadline over connect, write and read passed).  Nor can C{gate},
+C{sandbox} and C{reply}.  C{peer-pid} can, by name, only because a test
+double in the caller's own process or PID namespace
+(L{hostpid.testing.FakeBroker} in a container) is exactly what it refuses:
+turned off anywhere else, it lets gVisor hand a workload its gofer's PID
+once the other checks pass.
 
 The filesystem checks run on one C{O_PATH} descriptor of the directory, and
 the connection goes through that descriptor (C{/proc/self/fd/N/broker.sock})
@@ -38,28 +49,37 @@ from collections.abc import Iterable, Mapping
 import attrs
 
 from hostpid import defaults, gate, wire
+from hostpid.client import peerpid, sandbox, userns
 from hostpid.peercred import PeerCredentials
 
 GATE = "gate"
+SANDBOX = "sandbox"
 DIRECTORY = "directory"
 SOCKET = "socket"
 READ_ONLY_MOUNT = "read-only-mount"
 CONNECT = "connect"
 PEER_UID = "peer-uid"
+PEER_PID = "peer-pid"
 REPLY = "reply"
 DEADLINE = "deadline"
 
 #: The trust checks, in the order every client applies them.
-CHECKS: tuple[str, ...] = (GATE, DIRECTORY, SOCKET, READ_ONLY_MOUNT, PEER_UID, REPLY)
+CHECKS: tuple[str, ...] = (
+    GATE, SANDBOX, DIRECTORY, SOCKET, READ_ONLY_MOUNT, PEER_UID, PEER_PID, REPLY
+)
 
 #: The checks a caller may turn off by name.  The gate is the operator's
-#: switch and the reply is what makes an answer an answer: neither can be
-#: turned off, nor can the transport stages (C{connect}, C{deadline}).
-OPTIONAL_CHECKS: frozenset[str] = frozenset({DIRECTORY, SOCKET, READ_ONLY_MOUNT, PEER_UID})
+#: switch, a detected sandbox is a place where no answer can be right, and
+#: the reply is what makes an answer an answer: none of them can be turned
+#: off, nor can the transport stages (C{connect}, C{deadline}).  C{peer-pid}
+#: is here for test doubles only (see the module text); never on a node.
+OPTIONAL_CHECKS: frozenset[str] = frozenset(
+    {DIRECTORY, SOCKET, READ_ONLY_MOUNT, PEER_UID, PEER_PID}
+)
 
 #: What L{doctor} reports, one result each, in this order.
 DOCTOR_CHECKS: tuple[str, ...] = (
-    GATE, DIRECTORY, SOCKET, READ_ONLY_MOUNT, CONNECT, PEER_UID, REPLY
+    GATE, SANDBOX, DIRECTORY, SOCKET, READ_ONLY_MOUNT, CONNECT, PEER_UID, PEER_PID, REPLY
 )
 
 #: The longest C{sun_path} Linux accepts, terminating NUL excluded.
@@ -217,7 +237,10 @@ def check_directory(info: os.stat_result | OSError, trusted_uid: int) -> CheckRe
     if not stat.S_ISDIR(info.st_mode):
         return CheckResult(DIRECTORY, False, f"{described}: not a real directory")
     if info.st_uid != trusted_uid:
-        return CheckResult(DIRECTORY, False, f"{described}: owner is not uid {trusted_uid}")
+        return CheckResult(
+            DIRECTORY, False,
+            f"{described}: owner is not uid {trusted_uid}{userns.owner_hint(info.st_uid)}",
+        )
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         return CheckResult(DIRECTORY, False, f"{described}: group or other may write")
     return CheckResult(DIRECTORY, True, described)
@@ -231,7 +254,10 @@ def check_socket(info: os.stat_result | OSError, trusted_uid: int) -> CheckResul
     if not stat.S_ISSOCK(info.st_mode):
         return CheckResult(SOCKET, False, f"{described}: not a socket")
     if info.st_uid != trusted_uid:
-        return CheckResult(SOCKET, False, f"{described}: owner is not uid {trusted_uid}")
+        return CheckResult(
+            SOCKET, False,
+            f"{described}: owner is not uid {trusted_uid}{userns.owner_hint(info.st_uid)}",
+        )
     return CheckResult(SOCKET, True, described)
 
 
@@ -255,8 +281,45 @@ def check_peer(credentials: PeerCredentials | OSError, trusted_uid: int) -> Chec
         )
     observed = f"uid {credentials.uid} (pid {credentials.pid})"
     if credentials.uid != trusted_uid:
-        return CheckResult(PEER_UID, False, f"{observed}: not uid {trusted_uid}")
+        return CheckResult(
+            PEER_UID, False,
+            f"{observed}: not uid {trusted_uid}{userns.owner_hint(credentials.uid)}",
+        )
     return CheckResult(PEER_UID, True, observed)
+
+
+def check_peer_pid(
+    credentials: PeerCredentials | OSError, caller: peerpid.CallerProcess | None = None
+) -> CheckResult:
+    """
+    Judge the listener's PID: never the caller itself, and where the broker
+    is (L{hostpid.client.peerpid}).  C{caller} defaults to this process.
+    """
+    if isinstance(credentials, OSError):
+        return CheckResult(
+            PEER_PID, False, f"cannot read SO_PEERCRED: {os_error_text(credentials)}"
+        )
+    if caller is None:
+        caller = peerpid.this_process()
+    problem = peerpid.peer_pid_problem(credentials.pid, caller)
+    if problem is not None:
+        return CheckResult(PEER_PID, False, problem)
+    return CheckResult(PEER_PID, True, peerpid.describe(credentials.pid, caller))
+
+
+def check_peer_identity(
+    credentials: PeerCredentials | OSError, trusted_uid: int
+) -> tuple[CheckResult, CheckResult]:
+    """The two verdicts on C{SO_PEERCRED}, in order: C{peer-uid}, C{peer-pid}."""
+    return check_peer(credentials, trusted_uid), check_peer_pid(credentials)
+
+
+def check_sandbox(signals: sandbox.SandboxSignals) -> CheckResult:
+    """Judge what the runtime says about itself (L{hostpid.client.sandbox})."""
+    problem = sandbox.sandbox_problem(signals)
+    if problem is not None:
+        return CheckResult(SANDBOX, False, problem)
+    return CheckResult(SANDBOX, True, sandbox.describe(signals))
 
 
 def check_reply(data: bytes) -> CheckResult:
@@ -287,7 +350,7 @@ def checked_path(check: str, socket_path: str) -> str | None:
     socket and everything after it, none for the C{gate} (an environment
     variable, not a path).
     """
-    if check == GATE:
+    if check in (GATE, SANDBOX):
         return None
     if check in (DIRECTORY, READ_ONLY_MOUNT):
         return os.path.dirname(socket_path) or "."
@@ -354,9 +417,10 @@ def _open_path(path: str, follow: bool) -> int:
 
 def inspect_layout(policy: TrustPolicy) -> Layout:
     """
-    Run the filesystem checks (C{directory}, C{socket}, C{read-only-mount})
-    and return all three verdicts; enforcing them is the caller's business,
-    so that L{doctor} can report every one.
+    Run the checks that need no connection (C{sandbox}, C{directory},
+    C{socket}, C{read-only-mount}) and return all four verdicts, in that
+    order; enforcing them is the caller's business, so that L{doctor} can
+    report every one.
 
     The directory is opened once without following a symlink and judged from
     C{fstat} of that descriptor (an C{lstat} that cannot race); if it turns
@@ -381,11 +445,13 @@ def inspect_layout(policy: TrustPolicy) -> Layout:
                 except OSError:
                     fd = None
     directory_result = check_directory(directory_info, policy.trusted_uid)
+    sandbox_result = check_sandbox(sandbox.read_signals(fd))
     if fd is None:
         unseen = "not checked: the directory cannot be opened"
         return Layout(
             socket_path=policy.socket_path,
             results=(
+                sandbox_result,
                 directory_result,
                 CheckResult(SOCKET, False, unseen),
                 CheckResult(READ_ONLY_MOUNT, False, unseen),
@@ -405,6 +471,7 @@ def inspect_layout(policy: TrustPolicy) -> Layout:
     return Layout(
         socket_path=policy.socket_path,
         results=(
+            sandbox_result,
             directory_result,
             check_socket(socket_info, policy.trusted_uid),
             check_read_only(mount_info),

@@ -27,7 +27,7 @@ from hostpid.client.trust import (
     Layout,
     TrustPolicy,
     check_gate,
-    check_peer,
+    check_peer_identity,
     check_reply,
     host_pid_from_reply,
     inspect_layout,
@@ -284,7 +284,7 @@ class _TwistedTransaction:
 
 class _ReplyProtocol(Protocol):
     """
-    The thin adapter: peer check from the transport's handle, the request,
+    The thin adapter: peer checks from the transport's handle, the request,
     twelve bytes of reply; every verdict comes from the shared functions.
     """
 
@@ -313,10 +313,10 @@ class _ReplyProtocol(Protocol):
             )
         except OSError as error:
             credentials = error
+        policy = self.transaction.policy
         try:
-            self.transaction.policy.require(
-                check_peer(credentials, self.transaction.policy.trusted_uid)
-            )
+            for verdict in check_peer_identity(credentials, policy.trusted_uid):
+                policy.require(verdict)
         except HostPidUnavailable as problem:
             self.transaction.fail(problem)
             return

@@ -5,14 +5,22 @@
  * peer that applies HAMi-core's trust rules.  It applies the same checks as
  * hostpid.client, in the same order and under the same names:
  *
- *   gate, directory, socket, read-only-mount, (connect), peer-uid, reply,
- *   and one monotonic deadline over connect, write and read (deadline).
+ *   gate, sandbox, directory, socket, read-only-mount, (connect), peer-uid,
+ *   peer-pid, reply, and one monotonic deadline over connect, write and read
+ *   (deadline).
+ *
+ * sandbox: gVisor's kernel (its uname version string) or a 9p broker
+ * directory (fstatfs f_type V9FS_MAGIC) is refused.  peer-pid: the listener
+ * SO_PEERCRED names must be 0 (outside) when this process is in a private PID
+ * namespace (there, this process itself is what gVisor echoes on a host
+ * socket), and a real PID in the host's.
  *
  * Usage:
  *   hostpid_client [--socket PATH] [--trusted-uid UID] [--deadline-ms MS]
  *                  [--without CHECK]... [--barrier-fd FD]
  *
- * --without turns off one of directory, socket, read-only-mount, peer-uid.
+ * --without turns off one of directory, socket, read-only-mount, peer-uid;
+ * sandbox and peer-pid cannot be turned off.
  * --barrier-fd FD blocks reading FD until end of file before starting, so a
  * test can release hundreds of clients at once.
  *
@@ -34,11 +42,16 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <sys/statvfs.h>
 #include <sys/un.h>
+#include <sys/utsname.h>
 #include <time.h>
 #include <unistd.h>
 
+#define GVISOR_KERNEL_VERSION "#1 SMP Sun Jan 10 15:06:54 PST 2016"
+#define V9FS_MAGIC_NUMBER 0x01021997
+#define PROC_PID_INIT_INO 0xEFFFFFFCUL
 #define RESPONSE_SIZE 12
 #define REQUEST_SIZE 8
 
@@ -137,6 +150,64 @@ static int wait_for(int fd, short events, double deadline)
     }
 }
 
+/* sandbox: 0 when nothing says this is a sandboxed runtime, else 1 (reported). */
+static int sandbox_check(int directory_fd)
+{
+    struct utsname kernel;
+    if (uname(&kernel) == 0) {
+        size_t length = strlen(kernel.release);
+        const char *suffix = "-gvisor";
+        if (strcmp(kernel.version, GVISOR_KERNEL_VERSION) == 0 ||
+            (length >= strlen(suffix) && strcmp(kernel.release + length - strlen(suffix),
+                                                suffix) == 0))
+            return fail("sandbox", "gVisor (runsc) detected: uname '%s' '%s'; sandboxed runtime: "
+                        "the broker would see the sandbox's gofer, not this process",
+                        kernel.release, kernel.version);
+    }
+    struct statfs filesystem;
+    if (directory_fd >= 0 && fstatfs(directory_fd, &filesystem) == 0 &&
+        ((unsigned long)filesystem.f_type & 0xFFFFFFFFUL) == V9FS_MAGIC_NUMBER)
+        return fail("sandbox", "the broker directory is on a 9p filesystem (gVisor's gofer or "
+                    "a VM runtime's share); sandboxed runtime: the broker would not see this "
+                    "process");
+    return 0;
+}
+
+/*
+ * peer-pid: 0 when PID can be the host's broker, else 1 (reported).  From a
+ * private PID namespace the broker, outside, shows as 0, and anything else is
+ * refused (this process itself is what gVisor reports); from the host PID
+ * namespace it shows as a real PID (possibly this process, embedding it).
+ */
+static int peer_pid_check(pid_t pid)
+{
+    char task[64];
+    struct stat info;
+    if (pid < 0)
+        return fail("peer-pid", "pid %d is not a PID", (int)pid);
+    int known = stat("/proc/self/ns/pid", &info) == 0;
+    int saved = errno;
+    int host = known && (unsigned long)info.st_ino == PROC_PID_INIT_INO;
+    if (host)
+        return pid == 0 ? fail("peer-pid", "pid 0 in the host PID namespace: no listener named")
+                        : 0;
+    if (pid == 0)
+        return 0;
+    if (pid == getpid())
+        return fail("peer-pid", "pid %d is this process itself: sandboxed runtime", (int)pid);
+    snprintf(task, sizeof task, "/proc/self/task/%d", (int)pid);
+    struct stat thread;
+    if (stat(task, &thread) == 0)
+        return fail("peer-pid", "pid %d is a thread of this process: sandboxed runtime",
+                    (int)pid);
+    if (!known)
+        return fail("peer-pid", "pid %d: cannot tell whether the listener is outside this PID "
+                    "namespace (/proc/self/ns/pid: %s)", (int)pid, strerror(saved));
+    return fail("peer-pid", "pid %d is inside this process's PID namespace pid:[%lu]: the "
+                "listener runs in this container, not in the host PID namespace",
+                (int)pid, (unsigned long)info.st_ino);
+}
+
 int main(int argc, char **argv)
 {
     struct options options;
@@ -177,8 +248,14 @@ int main(int argc, char **argv)
 
     /* directory: judged from its lstat, through one O_PATH descriptor */
     int directory_fd = open(directory, O_PATH | O_NOFOLLOW | O_CLOEXEC);
+    int open_error = errno;
+
+    /* sandbox: before anything is trusted, with the directory if it opened */
+    if (sandbox_check(directory_fd) != 0)
+        return 1;
+
     if (directory_fd < 0)
-        return fail("directory", "cannot open: %s", strerror(errno));
+        return fail("directory", "cannot open: %s", strerror(open_error));
     struct stat info;
     if (fstat(directory_fd, &info) != 0)
         return fail("directory", "cannot fstat: %s", strerror(errno));
@@ -259,13 +336,21 @@ int main(int argc, char **argv)
     /* peer-uid, before a byte is sent */
     struct ucred credentials;
     socklen_t size = sizeof credentials;
+    int credentials_error = 0;
     if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &credentials, &size) != 0) {
+        credentials_error = errno;
         if (!(options.skipped & SKIP_PEER_UID))
             return fail("peer-uid", "cannot read SO_PEERCRED: %s", strerror(errno));
     } else if (!(options.skipped & SKIP_PEER_UID) && credentials.uid != options.trusted_uid) {
         return fail("peer-uid", "uid %u (pid %d): not uid %u", (unsigned)credentials.uid,
                     (int)credentials.pid, (unsigned)options.trusted_uid);
     }
+
+    /* peer-pid, before a byte is sent; no option turns it off */
+    if (credentials_error != 0)
+        return fail("peer-pid", "cannot read SO_PEERCRED: %s", strerror(credentials_error));
+    if (peer_pid_check(credentials.pid) != 0)
+        return 1;
 
     /* the request: magic, version 1, command 1; never a PID */
     const unsigned char request[REQUEST_SIZE] = {'H', 'P', 'I', 'D', 0, 1, 0, 1};

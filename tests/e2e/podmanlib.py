@@ -43,6 +43,7 @@ class CdiNode:
         self.podman = require_tool("podman")
         self.runc = require_tool("runc")
         unshare = require_tool("unshare")
+        sleep = os.path.realpath(require_tool("sleep"))
         self.nsenter = require_tool("nsenter")
         self._created: list[str] = []
         for directory in SPEC_DIRECTORIES:
@@ -54,12 +55,25 @@ class CdiNode:
             stdin=subprocess.DEVNULL,
         )
         ours = os.readlink("/proc/self/ns/mnt")
-        wait_for(lambda: self._namespace() not in (None, ours), "the private mount namespace")
+        # The namespace is new as soon as unshare(2) returns, but its mounts
+        # are still shared with ours (so with the host's) until unshare(1)
+        # has made them private, which it does before it execs sleep: a
+        # mount made inside before then would appear on the host as well.
+        wait_for(
+            lambda: self._namespace() not in (None, ours) and self._executable() == sleep,
+            "the private mount namespace",
+        )
         for directory in SPEC_DIRECTORIES:
             self.inside(["mount", "-t", "tmpfs", "-o", "mode=0755,size=1m", "tmpfs", directory])
         self.rootfs = make_rootfs(workdir)
         self.python = PythonLayout.of_this_process()
         self.runs: list[ContainerRun] = []
+
+    def _executable(self) -> str | None:
+        try:
+            return os.readlink(f"/proc/{self.holder.pid}/exe")
+        except OSError:
+            return None
 
     def _namespace(self) -> str | None:
         try:
@@ -146,3 +160,70 @@ class CdiNode:
             except OSError:
                 pass
         shutil.rmtree(self.workdir / "root", ignore_errors=True)
+
+
+class RootlessPodman:
+    """
+    Podman run by UID 1000 (rootless), with C{runc}: the container's root is
+    UID 1000 on the host, in a user namespace of its own (a single mapping:
+    this machine's C{/etc/subuid} has no range, and podman says so and
+    falls back to it).  Same root filesystem and Python as the runc e2e
+    tests; a private C{HOME}, C{XDG_RUNTIME_DIR} and storage, all under
+    C{workdir} (which must be reachable by UID 1000).
+    """
+
+    UID = 1000
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.podman = require_tool("podman")
+        self.runc = require_tool("runc")
+        require_tool("newuidmap")
+        self.home = workdir / "home"
+        self.runtime_dir = workdir / "xdg-run"
+        for directory, mode in ((self.home, 0o755), (self.runtime_dir, 0o700)):
+            directory.mkdir(mode=mode)
+            os.chown(directory, self.UID, self.UID)
+        self.rootfs = make_rootfs(workdir)
+        # podman creates /etc and the mountpoints in it as the rootless user.
+        os.chown(self.rootfs, self.UID, self.UID)
+        self.python = PythonLayout.of_this_process()
+        self.extra_binds: list[tuple[str, str]] = []
+        self.runs: list[ContainerRun] = []
+
+    def run(self, name: str, mounts: Sequence[tuple[str, str, bool]], envs: dict[str, str],
+            args: Sequence[str]) -> ContainerRun:
+        """One rootless C{podman run --rm} to completion."""
+        pid_file = self.home / f"pid-{uuid.uuid4().hex[:12]}"  # written by UID 1000
+        binds = [f"{host}:{inside}:ro" for host, inside in
+                 (("/usr", "/usr"), ("/etc", "/etc"), *self.python.binds, *self.extra_binds)]
+        binds += [f"{host}:{inside}:{'ro' if read_only else 'rw'}"
+                  for inside, host, read_only in mounts]
+        env = {"PYTHONPATH": ":".join(self.python.pythonpath), "PYTHONDONTWRITEBYTECODE": "1",
+               "HOME": "/", **envs}
+        argv = [
+            "setpriv", f"--reuid={self.UID}", f"--regid={self.UID}", "--clear-groups",
+            "env", "-i", f"HOME={self.home}", f"XDG_RUNTIME_DIR={self.runtime_dir}",
+            "PATH=/usr/bin:/usr/sbin:/bin",
+            self.podman, "--root", str(self.home / "storage"),
+            "--runroot", str(self.runtime_dir / "runroot"),
+            "--cgroup-manager", "cgroupfs", "--events-backend", "file", "--runtime", self.runc,
+            "run", "--rm", "--rootfs", "--network", "none", "--pidfile", str(pid_file),
+            "--tmpfs", "/tmp:rw,nosuid,nodev,mode=1777,size=16m",
+            *(option for bind in binds for option in ("-v", bind)),
+            *(option for key, value in env.items() for option in ("-e", f"{key}={value}")),
+            str(self.rootfs), *args,
+        ]
+        started = time.monotonic()
+        result = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                                timeout=PODMAN_TIMEOUT, check=False, cwd=self.workdir)
+        seconds = time.monotonic() - started
+        host_pid = int(pid_file.read_text()) if pid_file.exists() else None
+        # Podman's warnings about the single mapping are not the workload's.
+        stderr = "\n".join(line for line in result.stderr.splitlines()
+                           if "level=warning" not in line and "level=error" not in line)
+        run = ContainerRun(name, result.returncode, host_pid, result.stdout, stderr, seconds)
+        self.runs.append(run)
+        print(f"\n[podman rootless] {name}: exit={run.exit_code} host_pid={host_pid} "
+              f"printed={run.printed_pid()} seconds={seconds:.3f} stderr={stderr.strip()!r}")
+        return run

@@ -150,15 +150,30 @@ def make_rootfs(workdir: Path) -> Path:
 
 
 class Runtime:
-    """Bundles and C{runc} runs under one private state directory."""
+    """
+    Bundles and OCI runtime runs under one private state directory.
 
-    def __init__(self, runc: str, workdir: Path) -> None:
-        self.runc = runc
+    C{command} is the runtime and its global options (C{[runc]}, or
+    C{[runsc, "--host-uds=open"]}); C{uid_mappings}, when given, puts each
+    container in a user namespace with that one mapping (container UID,
+    host UID, count), for UIDs and GIDs alike, as Kubernetes'
+    C{hostUsers: false} does.
+    """
+
+    def __init__(self, command: str | Sequence[str], workdir: Path,
+                 uid_mappings: tuple[int, int, int] | None = None) -> None:
+        self.command = [command] if isinstance(command, str) else list(command)
+        self.uid_mappings = uid_mappings
         self.workdir = workdir
         self.state = workdir / "runc-state"
         self.state.mkdir(mode=0o700)
         self.rootfs = make_rootfs(workdir)
+        if uid_mappings is not None:
+            # The runtime makes the mountpoints as the container's root.
+            os.chown(self.rootfs, uid_mappings[1], uid_mappings[1])
         self.python = PythonLayout.of_this_process()
+        #: More read-only binds (host path, container path) for every container.
+        self.extra_binds: list[tuple[str, str]] = []
         self.runs: list[ContainerRun] = []
 
     def _config(self, mounts: Sequence[Mount], envs: dict[str, str], uid: int,
@@ -176,7 +191,8 @@ class Runtime:
              "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
             bind("/usr", "/usr", True),
             bind("/etc", "/etc", True),
-            *(bind(host, inside, True) for host, inside in self.python.binds),
+            *(bind(host, inside, True) for host, inside in
+              (*self.python.binds, *self.extra_binds)),
             {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
              "options": ["nosuid", "nodev", "mode=1777", "size=16m"]},
         ]
@@ -191,6 +207,17 @@ class Runtime:
             "HOME=/",
             *(f"{key}={value}" for key, value in envs.items()),
         ]
+        namespaces = ["pid", "network", "ipc", "uts", "mount"]
+        linux: dict[str, Any] = {
+            "namespaces": [{"type": t} for t in namespaces],
+            "maskedPaths": ["/proc/kcore", "/proc/keys", "/sys/firmware"],
+            "readonlyPaths": ["/proc/sys", "/proc/sysrq-trigger"],
+        }
+        if self.uid_mappings is not None:
+            inside, outside, size = self.uid_mappings
+            mapping = [{"containerID": inside, "hostID": outside, "size": size}]
+            linux["namespaces"].append({"type": "user"})
+            linux["uidMappings"] = linux["gidMappings"] = mapping
         return {
             "ociVersion": "1.0.2",
             "process": {
@@ -207,11 +234,7 @@ class Runtime:
             "root": {"path": str(self.rootfs), "readonly": True},
             "hostname": "hostpid-e2e",
             "mounts": [*base_mounts, *response_mounts],
-            "linux": {
-                "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
-                "maskedPaths": ["/proc/kcore", "/proc/keys", "/sys/firmware"],
-                "readonlyPaths": ["/proc/sys", "/proc/sysrq-trigger"],
-            },
+            "linux": linux,
         }
 
     def run(self, name: str, mounts: Sequence[Mount], envs: dict[str, str], uid: int,
@@ -227,14 +250,14 @@ class Runtime:
         started = time.monotonic()
         try:
             result = subprocess.run(
-                [self.runc, "--root", str(self.state), "run", "--bundle", str(bundle),
+                [*self.command, "--root", str(self.state), "run", "--bundle", str(bundle),
                  "--pid-file", str(pid_file), container_id],
                 stdin=subprocess.DEVNULL, capture_output=True, text=True,
                 timeout=RUNC_TIMEOUT, check=False,
             )
         finally:
             seconds = time.monotonic() - started
-            subprocess.run([self.runc, "--root", str(self.state), "delete", "--force",
+            subprocess.run([*self.command, "--root", str(self.state), "delete", "--force",
                             container_id], capture_output=True, timeout=RUNC_TIMEOUT,
                            check=False)
         host_pid = int(pid_file.read_text()) if pid_file.exists() else None

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from attackers import IDLE_FLOOD
 from support import (
     WAIT_SECONDS,
     as_user_argv,
@@ -30,6 +31,7 @@ from support import (
 )
 
 from hostpid import wire
+from hostpid.broker.server import max_waiting_per_peer
 
 pytestmark = [pytest.mark.privileged, pytest.mark.kernel]
 
@@ -37,41 +39,6 @@ pytestmark = [pytest.mark.privileged, pytest.mark.kernel]
 CLIENTS = 200
 REQUIRED = 0.99
 GAP = 0.001
-
-#: The attacker: N silent connections to argv[1]; with argv[3] == "reconnect"
-#: each one the broker closes is opened again at once.  It prints "ready"
-#: once N are open and runs until killed.
-ATTACKER = r"""
-import selectors, socket, sys
-path, n, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-selector = selectors.DefaultSelector()
-def open_one():
-    while True:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.connect(path)
-        except BlockingIOError:
-            sock.close()
-            continue
-        sock.setblocking(False)
-        selector.register(sock, selectors.EVENT_READ)
-        return
-for _ in range(n):
-    open_one()
-print("ready", flush=True)
-while True:
-    for key, _ in selector.select():
-        try:
-            data = key.fileobj.recv(64)
-        except ConnectionError:
-            data = b""
-        if not data:
-            selector.unregister(key.fileobj)
-            key.fileobj.close()
-            if mode == "reconnect":
-                open_one()
-"""
-
 
 def slow_sender(path: Path) -> bool:
     """One real client: connect, wait 1 ms, send; answered with its own PID?"""
@@ -84,27 +51,36 @@ def slow_sender(path: Path) -> bool:
         return False
 
 
+@pytest.mark.parametrize("share", ["unbounded", "default"])
 @pytest.mark.parametrize("mode", ["static", "reconnect"])
 def test_slow_senders_are_answered_while_silent_connections_hold_every_slot(
-    public_tmp: Path, mode: str
+    public_tmp: Path, mode: str, share: str
 ) -> None:
+    """
+    C{unbounded}: the attacker may hold every slot (C{--max-waiting-per-peer}
+    above the limit), and the slow senders get theirs by eviction.
+    C{default}: the attacker holds at most its share (issue 19), and the rest
+    of the slots stay free.
+    """
     require_root()
     limit, silent = 512, 600
+    bound = ["--max-waiting-per-peer", "1000"] if share == "unbounded" else []
+    held = limit if share == "unbounded" else max_waiting_per_peer(limit)
     public_tmp.chmod(0o755)
     with running_broker(
-        public_tmp / "broker", "--max-connections", str(limit), "--deadline", "30"
+        public_tmp / "broker", "--max-connections", str(limit), *bound, "--deadline", "30"
     ) as broker:
         baseline = open_fd_count(broker.pid)
         attacker = subprocess.Popen(
-            as_user_argv(1000, [sys.executable, "-c", ATTACKER, str(broker.socket_path),
+            as_user_argv(1000, [sys.executable, "-c", IDLE_FLOOD, str(broker.socket_path),
                                 str(silent), mode]),
             stdout=subprocess.PIPE, text=True,
         )
         try:
             assert attacker.stdout is not None
             assert attacker.stdout.readline() == "ready\n", "the attacker's connections"
-            wait_for(lambda: open_fd_count(broker.pid) >= baseline + limit,
-                     "every slot held by the attacker")
+            wait_for(lambda: open_fd_count(broker.pid) >= baseline + held,
+                     f"{held} slots held by the attacker")
             answered = sum(slow_sender(broker.socket_path) for _ in range(CLIENTS))
             assert attacker.poll() is None, "the attack lasted the whole test"
         finally:

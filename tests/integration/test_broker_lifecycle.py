@@ -18,11 +18,15 @@ from support import (
     ask_pid,
     connect,
     listen_backlog,
+    read_until_eof,
     require_root,
     running_broker,
     stale_socket,
     wait_for,
 )
+
+from hostpid import wire
+from hostpid.broker.service import RECEIVE_DESCRIPTORS_ENV
 
 
 def mode(path: Path) -> int:
@@ -282,11 +286,39 @@ def test_descriptor_limit_is_raised_to_fit_max_connections(directory: Path) -> N
         assert line.split()[3:5] == ["1064", "4096"]
 
 
-def test_descriptor_limit_below_need_is_reported(directory: Path) -> None:
+@pytest.mark.parametrize("mode", ["refused", "received"])
+def test_descriptor_limit_below_need_is_reported_and_served_within(
+    directory: Path, mode: str
+) -> None:
+    """
+    Issue 18 item 5: with RLIMIT_NOFILE 128 a broker in mode received never
+    has room for a full SCM_RIGHTS message; it used to read nothing and
+    reset every connection.  Now it reads by peeking first, and answers,
+    in both modes; a client that passes a descriptor still gets no PID.
+    """
+    import array
     import resource
 
     def low_hard_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
 
-    with running_broker(directory, preexec_fn=low_hard_limit) as broker:
-        assert "RLIMIT_NOFILE is 128, below the 576 descriptors" in broker.output()
+    env = {RECEIVE_DESCRIPTORS_ENV: "1"} if mode == "received" else {}
+    with running_broker(directory, preexec_fn=low_hard_limit, env=env) as broker:
+        assert "RLIMIT_NOFILE is 128, below the" in broker.output()
+        for _ in range(20):
+            assert ask_pid(broker.socket_path) == os.getpid()
+        if mode == "received":
+            assert "leaves no room for a full SCM_RIGHTS message" in broker.output()
+            passed = os.open("/dev/null", os.O_RDONLY)
+            try:
+                with connect(broker.socket_path) as sock:
+                    sock.sendmsg([wire.GET_HOST_PID_REQUEST], [
+                        (socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [passed]))])
+                    try:
+                        reply = read_until_eof(sock)
+                    except ConnectionResetError:
+                        reply = b""  # closed with its descriptors unread
+                    assert reply == b"", "no PID for a message with descriptors"
+            finally:
+                os.close(passed)
+            assert ask_pid(broker.socket_path) == os.getpid()

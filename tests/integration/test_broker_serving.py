@@ -22,6 +22,7 @@ from support import (
     ask_pid,
     connect,
     exchange,
+    in_child,
     nspid,
     read_until_eof,
     require_root,
@@ -41,34 +42,6 @@ pytestmark = pytest.mark.kernel
 def broker(public_tmp: Path) -> Iterator[BrokerProcess]:
     with running_broker(public_tmp / "broker") as process:
         yield process
-
-
-def in_child(work, uid: int | None = None) -> tuple[int, int]:
-    """
-    Fork; in the child optionally become C{uid}, run C{work()} -> int and
-    report it.  No exec: the child is this very program, as a workload is.
-
-    @return: (child's PID, what C{work} returned; -1 on failure).
-    """
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - runs in the child
-        try:
-            os.close(read_end)
-            if uid is not None:
-                os.setgroups([])
-                os.setgid(uid)
-                os.setuid(uid)
-            result = work()
-            os.write(write_end, struct.pack("q", -1 if result is None else result))
-        finally:
-            os._exit(0)
-    os.close(write_end)
-    with os.fdopen(read_end, "rb") as reader:
-        data = reader.read()
-    os.waitpid(pid, 0)
-    assert len(data) == 8, "the child reported nothing"
-    return pid, struct.unpack("q", data)[0]
 
 
 def test_client_gets_its_own_pid(broker: BrokerProcess) -> None:
@@ -193,11 +166,14 @@ def test_full_slots_evict_the_oldest_and_broker_recovers(public_tmp: Path) -> No
     has not sent its request when accepted takes the slot of the oldest, which
     is closed at once with no reply; the fifth then sends and is answered.
     (The rule before issue 12 closed the fifth instead.)  Once the silent
-    ones go, the broker serves as before.
+    ones go, the broker serves as before.  All five are this process's,
+    with no bound of their own (C{--max-waiting-per-peer} above the limit): the rule between peers
+    is tested in C{test_waiting.py} and C{test_attack_many_tenants.py}.
     """
     deadline = 30.0
     with running_broker(
-        public_tmp / "broker", "--max-connections", "4", "--deadline", str(deadline)
+        public_tmp / "broker", "--max-connections", "4", "--max-waiting-per-peer", "1000",
+        "--deadline", str(deadline),
     ) as broker:
         silent = [connect(broker.socket_path, timeout=WAIT_SECONDS) for _ in range(4)]
         try:

@@ -161,15 +161,17 @@ def test_doctor_in_a_healthy_layout(broker: BrokerProcess, tmp_path: Path, work:
         assert [line.split()[:2] for line in lines] == [
             [name, "ok"]
             for name in (
-                "gate", "directory", "socket", "read-only-mount", "connect", "peer-uid", "reply"
+                "gate", "sandbox", "directory", "socket", "read-only-mount", "connect",
+                "peer-uid", "peer-pid", "reply",
             )
         ]
-        assert lines[1] == "directory ok directory, uid 0, mode 0711"
-        assert lines[2] == "socket ok socket, uid 0, mode 0666"
-        assert lines[3] == "read-only-mount ok read-only"
+        assert lines[2] == "directory ok directory, uid 0, mode 0711"
+        assert lines[3] == "socket ok socket, uid 0, mode 0666"
+        assert lines[4] == "read-only-mount ok read-only"
         # The broker is outside this PID namespace: the kernel reports its PID as 0.
-        assert lines[5] == "peer-uid ok uid 0 (pid 0)"
-        assert_host_pid(result, int(lines[6].split()[-1]))
+        assert lines[6] == "peer-uid ok uid 0 (pid 0)"
+        assert lines[7] == "peer-pid ok pid 0: outside this PID namespace (the host's)"
+        assert_host_pid(result, int(lines[8].split()[-1]))
 
 
 def test_doctor_and_query_in_a_read_write_layout(
@@ -183,8 +185,8 @@ def test_doctor_and_query_in_a_read_write_layout(
         stdout = result["stdout"]
         assert isinstance(stdout, str)
         lines = stdout.splitlines()
-        assert lines[3] == "read-only-mount FAIL /tmp/vgpulock/hostpid: read-write mount"
-        assert [line.split()[1] for line in lines] == ["ok"] * 3 + ["FAIL"] + ["ok"] * 3
+        assert lines[4] == "read-only-mount FAIL /tmp/vgpulock/hostpid: read-write mount"
+        assert [line.split()[1] for line in lines] == ["ok"] * 4 + ["FAIL"] + ["ok"] * 4
     with in_layout(broker, tmp_path / "q", work, "rw", "query") as (results, _):
         [result] = results
         assert (result["status"], result["stdout"]) == (1, "")

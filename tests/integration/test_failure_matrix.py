@@ -172,8 +172,11 @@ def test_saturated_broker_still_answers_requests_already_waiting(directory: Path
     them, their request is waiting and is answered without a slot.  A silent
     newcomer takes the oldest silent connection's slot, and that one is
     closed with no reply (before issue 12 the newcomer was closed instead).
+    The silent ones are this process's, with no bound per peer
+    (C{--max-waiting-per-peer}).
     """
-    with running_broker(directory, "--max-connections", "4", "--deadline", "30") as broker:
+    with running_broker(directory, "--max-connections", "4", "--max-waiting-per-peer", "1000",
+                        "--deadline", "30") as broker:
         silent = [connect(broker.socket_path) for _ in range(4)]
         try:
             silent.append(connect(broker.socket_path))  # proves all 4 slots are held:
@@ -205,8 +208,10 @@ def test_silent_flood_is_bounded_and_recovers(directory: Path) -> None:
     so the broker holds at most its limit (the newest 16), keeps its
     descriptors bounded, logs a handful of lines, answers a client that
     connects and only then sends, and serves normally once the flood ends.
+    The flood is this process's, with no bound per peer (C{--max-waiting-per-peer}).
     """
-    with running_broker(directory, "--max-connections", "16", "--deadline", "30") as broker:
+    with running_broker(directory, "--max-connections", "16", "--max-waiting-per-peer", "1000",
+                        "--deadline", "30") as broker:
         baseline = open_fd_count(broker.pid)
         flood = [connect(broker.socket_path) for _ in range(400)]
         for sock in flood:

@@ -25,7 +25,7 @@ from twisted.internet.threads import deferToThread
 
 from hostpid import wire
 from hostpid.broker.metrics import HealthResource, ReadyResource, metrics_site
-from hostpid.broker.service import BrokerService
+from hostpid.broker.service import LIVENESS_ENV, BrokerService
 
 ENABLED = {"LIBVGPU_HOSTPID_BROKER": "1"}
 
@@ -54,6 +54,12 @@ class Running:
 @pytest_twisted.async_yield_fixture
 async def running(tmp_path: Path, clean_reactor: None) -> AsyncIterator[Running]:
     async for value in _running(tmp_path, ENABLED):
+        yield value
+
+
+@pytest_twisted.async_yield_fixture
+async def forced_pidfd_open(tmp_path: Path, clean_reactor: None) -> AsyncIterator[Running]:
+    async for value in _running(tmp_path, {**ENABLED, LIVENESS_ENV: "pidfd_open"}):
         yield value
 
 
@@ -104,8 +110,24 @@ async def test_counters_move_with_real_traffic(running: Running) -> None:
     assert after[("hostpid_broker_enabled", ())] == 1
     assert after[("hostpid_broker_listening", ())] == 1
     assert after[("hostpid_broker_pidfd_check", ())] == 1
+    assert after[("hostpid_broker_liveness_check", (("check", "peerpidfd"),))] == 1
+    assert after[("hostpid_broker_liveness_check", (("check", "pidfd_open"),))] == 0
     assert after[("hostpid_broker_active_connections", ())] == 0
     assert ("hostpid_broker_build_info", (("version", "0.1.0"),)) in after
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_liveness_check_in_force_is_named(forced_pidfd_open: Running) -> None:
+    """Forced to the older kernels' check: named from the start, and callers still answered."""
+    before = await forced_pidfd_open.metrics()
+    checks = {"peerpidfd": 0, "pidfd_open": 1, "none": 0}
+    for check, value in checks.items():
+        assert before[("hostpid_broker_liveness_check", (("check", check),))] == value
+    assert before[("hostpid_broker_pidfd_check", ())] == 0
+    assert await deferToThread(ask_pid, forced_pidfd_open.broker.socketPath) == os.getpid()
+    after = await forced_pidfd_open.metrics()
+    assert ok_count(after) == 1
+    assert after[("hostpid_broker_liveness_check", (("check", "pidfd_open"),))] == 1
 
 
 @pytest_twisted.ensureDeferred

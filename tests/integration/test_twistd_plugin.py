@@ -58,6 +58,7 @@ def test_gate_1_serves(tmp_path: Path) -> None:
         (["--max-connections", "0"], "--max-connections: must be a whole number from 1"),
         (["--max-connections", "many"], "--max-connections: must be a whole number from 1"),
         (["--max-connections", "-3"], "--max-connections: must be a whole number from 1"),
+        (["--max-waiting-per-peer", "0"], "--max-waiting-per-peer: must be a whole number from 1"),
         (["--deadline", "-1"], "--deadline: must be a positive number of seconds"),
         (["--deadline", "nan"], "--deadline: must be a positive number of seconds"),
         (["--deadline", "1e12"], "--deadline: must be a positive number of seconds"),

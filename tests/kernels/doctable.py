@@ -34,7 +34,7 @@ def _yes(features: dict[str, dict[str, object]], name: str) -> str:
 
 def table(cache: Path = debian.CACHE) -> str:
     rows = [
-        "| Kernel (Debian suite, package) | Descriptor mode | Liveness check (`SO_PEERPIDFD`) "
+        "| Kernel (Debian suite, package) | Descriptor mode | Liveness check "
         "| `SO_PEERPIDFD` once the caller is reaped | Unix out-of-band data "
         "| `pidfd_open` / `pidfd_send_signal` | `PIDFD_GET_INFO` | Matrix run |",
         "|---|---|---|---|---|---|---|---|",
@@ -50,6 +50,7 @@ def table(cache: Path = debian.CACHE) -> str:
         mode = {True: "`refused`", False: "`received`"}.get(passrights, "?")
         peerpidfd = (
             "`SO_PEERPIDFD`" if features.get("SO_PEERPIDFD", {}).get("present")
+            else "`pidfd_open` and start time" if features.get("pidfd_open", {}).get("present")
             else "none: `SO_PEERCRED` alone"
         )
         pidfd = "/".join(

@@ -171,3 +171,6 @@ def test_the_docs_table_is_made_from_the_recorded_probes(tmp_path: Path) -> None
         "| no (ioctl: ENOTTY) | 60 passed, 5 not applicable, 1 failed; boot 6.0 s, tests 301 s |"
     )
     assert "| 5.10 (bullseye) | not run |" in text
+    features["SO_PEERPIDFD"] = {"present": False, "detail": "getsockopt: ENOPROTOOPT"}
+    (tmp_path / "results" / "6.12-bookworm-backports.json").write_text(json.dumps(summary))
+    assert "| `received` | `pidfd_open` and start time |" in doctable.table(tmp_path)

@@ -1,0 +1,297 @@
+"""
+Connections still waiting for their request: the broker's general path.
+
+A connection whose 8 bytes were not all there when it was accepted (the
+fast path, L{BrokerFactory.answerWaiting}, answers the others) is held here
+until its request is complete, it ends, its deadline passes, or it is
+evicted.  Under a reconnecting flood almost every connection the broker
+accepts is one of these, and the broker can only drain its listen backlog
+as fast as it can take them in and shed them: issue 19 measured about 80 us
+of CPU per such connection when each was a whole Twisted transport (built,
+registered, given a deadline, aborted with a new C{Failure}, closed on the
+next turn), against a few us in the C yardstick, and real clients starved in
+the backlog behind the attackers.
+
+So a waiting connection is the accepted C-level socket and a small
+L{WaitingConnection}, registered with the reactor directly as an
+C{IReadDescriptor}, its deadline in one L{ArrivalDeadlines}, and closed
+synchronously (after C{removeReader}, with its descriptor number forgotten,
+so no stale event can reach another connection): no transport, no protocol,
+no per-connection timer, no C{Failure}.  The reply is 12 bytes on a fresh
+socket whose send buffer is empty, so one non-blocking C{send} writes it
+whole, as the fast path already relies on.
+
+L{WaitingRoom} admits them, by the rule of L{hostpid.broker.fairness}:
+
+  - each is keyed by its peer's PID, read once at accept (C{SO_PEERCRED}
+    as a C int).  Not the UID: in Kubernetes most workloads run as root in
+    the node's user namespace, so every real client of every pod would share
+    one key with an attacker running as root, and eviction from the peer
+    holding the most would fall on them.  Not the cgroup (the pod), though it
+    would be the better unit against a pod that forks many attacker
+    processes: it costs a lookup per connection on exactly the path that
+    must be cheap (C{PIDFD_GET_INFO} needs Linux 6.13, else a
+    C{/proc/PID/cgroup} read of several us), and with eviction from the peer
+    holding the most, an attacker that spreads over many processes still
+    loses its slots first until it runs one process per slot;
+  - a peer already holding L{BrokerFactory.maxPerPeer} waiting connections
+    has its newcomer closed at accept (outcome C{over_limit}): as cheap as
+    the C yardstick's shedding, so one process cannot take every slot;
+  - when every slot is held, the oldest waiting connection of the peer
+    holding the most gives up its slot (outcome C{evicted}).  A connection
+    that was answered has already left (it closed when answered), so an
+    answered connection is never evicted, and a late sender from an
+    otherwise idle peer keeps its slot while any peer holds two or more.
+
+Where clients can pass descriptors (mode I{received}), every read and close
+goes through L{PassedDescriptors}, as on the fast path: with room in the
+descriptor table a read takes any message (descriptors are disposed of);
+without it, only bytes that carry none (L{PassedDescriptors.receiveWithoutRoom}),
+so reads slow down but never stop.
+"""
+
+from __future__ import annotations
+
+import _socket
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from twisted.internet.interfaces import IReadDescriptor
+from twisted.python.failure import Failure
+from zope.interface import implementer
+
+from hostpid import wire
+from hostpid.broker.deadlines import ArrivalDeadlines
+from hostpid.broker.fairness import PeerQueues
+from hostpid.broker.server import BrokerFactory, Outcome, answer
+
+_SOL_SOCKET = int(socket.SOL_SOCKET)
+_SO_PEERCRED = int(socket.SO_PEERCRED)
+_RECV_FLAGS = int(socket.MSG_DONTWAIT)
+_SEND_FLAGS = int(socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+_REQUEST_SIZE = wire.REQUEST_SIZE
+#: Read a little more than the request: bytes after the 8th are ignored, and
+#: swallowing them means the close does not reset the connection before the
+#: client has read its reply.
+_READ = 256
+_OK = Outcome.OK
+_SHORT = Outcome.SHORT
+_OVER_LIMIT = Outcome.OVER_LIMIT
+
+
+def peer_pid(sock: _socket.socket) -> int:
+    """
+    The peer's PID as C{SO_PEERCRED} reports it, as a C int (the kernel
+    copies as much of C{struct ucred} as the buffer holds; the PID comes
+    first); -1 when the kernel refuses.  Only a key for fairness: the answer
+    itself is decided by L{hostpid.peercred.PeerIdentifier}.
+    """
+    try:
+        pid: int = sock.getsockopt(_SOL_SOCKET, _SO_PEERCRED)
+    except OSError:
+        return -1
+    return pid
+
+
+@implementer(IReadDescriptor)
+class WaitingConnection:
+    """
+    One accepted connection whose request is not complete yet: its socket,
+    the bytes so far, its peer and when it was accepted.  It holds one of
+    the factory's slots until L{finish}.
+    """
+
+    __slots__ = ("socket", "fd", "peer", "started", "accepted", "finished", "_buffer", "_room")
+
+    def __init__(
+        self,
+        room: WaitingRoom,
+        sock: _socket.socket,
+        peer: int,
+        prefix: bytes,
+        accepted: int = 0,
+    ) -> None:
+        """
+        @param accepted: when it was accepted on the identifier's
+            L{PeerIdentifier.acceptClock} (the liveness check without
+            C{SO_PEERPIDFD} compares the peer's start time with it), or 0
+            where the check needs none.
+        """
+        self._room = room
+        self.socket = sock
+        self.fd = sock.fileno()
+        self.peer = peer
+        self.started = 0.0
+        self.accepted = accepted
+        self.finished = False
+        self._buffer = prefix
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def logPrefix(self) -> str:
+        return "hostpid-broker"
+
+    def doRead(self) -> None:
+        if self.finished:
+            return
+        passed = self._room.factory.passed
+        try:
+            if passed is None:
+                data = self.socket.recv(_READ, _RECV_FLAGS)
+            else:
+                if passed.hasRoom():
+                    data, carried = passed.receive(self.socket, _READ)
+                else:
+                    # A read now could overflow the descriptor table, and the
+                    # kernel would release what does not fit here: read only
+                    # what carries no descriptor (slower, never stopped).
+                    data, carried = passed.receiveWithoutRoom(self.socket, _READ)
+                if carried:
+                    self.finish(Outcome.DESCRIPTORS)
+                    return
+        except BlockingIOError:
+            return
+        except OSError:
+            self.finish(_SHORT)
+            return
+        if not data:
+            # End of file (the client went away, or shut down its writing
+            # side) before the whole request.
+            self.finish(_SHORT)
+            return
+        request = self._buffer + data
+        if len(request) < _REQUEST_SIZE:
+            self._buffer = request
+            return
+        outcome, reply = answer(
+            request[:_REQUEST_SIZE], self.socket, self._room.factory.identifier, self.accepted
+        )
+        if reply is not None:
+            try:
+                self.socket.send(reply, _SEND_FLAGS)
+            except OSError:
+                pass
+        self.finish(outcome)
+
+    def connectionLost(self, reason: Failure | None = None) -> None:
+        """The reactor is letting go of us (it is shutting down)."""
+        self.finish(_SHORT)
+
+    def expire(self) -> None:
+        """The deadline passed with no whole request."""
+        self.finish(Outcome.DEADLINE)
+
+    def finish(self, outcome: Outcome) -> None:
+        """
+        End the transaction with C{outcome}: leave the waiting set, the
+        deadlines and the reactor, give up the slot, close, and count it.
+        Once only; the descriptor number is forgotten before anything else
+        can be given it.
+        """
+        if self.finished:
+            return
+        self.finished = True
+        room = self._room
+        room.queues.remove(self, self.peer)
+        room.deadlines.stop(self)
+        room.reactor.removeReader(self)
+        self.fd = -1
+        factory = room.factory
+        factory.transactionEnded()
+        passed = factory.passed
+        if passed is None:
+            self.socket.close()
+        elif passed.release(self.socket) and outcome is _OK:
+            # Descriptors arrived after the request: the reply is sent, but
+            # the transaction is counted for what the client did.
+            outcome = Outcome.DESCRIPTORS
+        if outcome is _OK:
+            factory.record(outcome, self.started)
+        else:
+            factory.record(outcome)
+
+
+class WaitingRoom:
+    """
+    Admits accepted connections whose request is not complete yet, within
+    the factory's limits, and evicts by the fairness rule (see the module
+    docstring).
+
+    @ivar queues: the waiting connections by peer.
+    @ivar deadlines: every waiting connection's deadline, behind one delayed
+        call.
+    """
+
+    def __init__(
+        self,
+        factory: BrokerFactory,
+        reactor: Any,
+        peerOf: Callable[[_socket.socket], int] = peer_pid,
+    ) -> None:
+        """
+        @param reactor: an C{IReactorFDSet} and C{IReactorTime} (the
+            factory's clock, normally).
+        @param peerOf: the key of a connection's peer (for tests; by default
+            its PID).
+        """
+        self.factory = factory
+        self.reactor = reactor
+        self._peerOf = peerOf
+        self.queues: PeerQueues[WaitingConnection, int] = PeerQueues()
+        self.deadlines: ArrivalDeadlines[WaitingConnection] = ArrivalDeadlines(
+            reactor, factory.deadline, WaitingConnection.expire
+        )
+
+    def __len__(self) -> int:
+        """How many connections are waiting for their request."""
+        return len(self.queues)
+
+    def admit(self, sock: _socket.socket, prefix: bytes) -> WaitingConnection | None:
+        """
+        Hold C{sock}, just accepted with C{prefix} (fewer than 8 bytes, maybe
+        none) of its request read, until its request is complete; or close it
+        now if its peer holds its share already.
+
+        @return: the waiting connection, or C{None} if it was closed.
+        """
+        factory = self.factory
+        peer = self._peerOf(sock)
+        queues = self.queues
+        if queues.count(peer) >= factory.maxPerPeer:
+            # The common case under a flood: as cheap as it can be made.
+            if factory.passed is None:
+                sock.close()
+            else:
+                factory.passed.release(sock)
+            factory.record(_OVER_LIMIT)
+            return None
+        if factory.active >= factory.maxConnections:
+            victim = queues.victim()
+            if victim is None:
+                # Every slot is held by something that is not waiting: not
+                # reachable today (an answered connection leaves at once).
+                self._shed(sock)
+                return None
+            victim[0].finish(Outcome.EVICTED)
+        # As the port accepts it: the accept time the liveness check without
+        # SO_PEERPIDFD compares start times with.
+        acceptClock = factory.identifier.acceptClock
+        connection = WaitingConnection(
+            self, sock, peer, prefix, acceptClock() if acceptClock is not None else 0
+        )
+        factory.transactionStarted()
+        queues.add(connection, peer)
+        connection.started = self.deadlines.start(connection)
+        self.reactor.addReader(connection)
+        return connection
+
+    def _shed(self, sock: _socket.socket) -> None:
+        factory = self.factory
+        if factory.passed is not None:
+            # Maybe part-read: its queue may hold descriptors.
+            factory.passed.release(sock)
+        else:
+            sock.close()
+        factory.record(_OVER_LIMIT)

@@ -1,0 +1,116 @@
+"""
+Is this client running under a sandboxed runtime, where the broker cannot
+see who is asking?
+
+Under gVisor (C{runsc}) a workload has no host process of its own: a host
+Unix socket (C{--host-uds=open} or C{all}) is connected by the sandbox's
+gofer on the workload's behalf, so the broker's C{SO_PEERCRED} names the
+gofer, one PID for every process of the sandbox.  The answer would be a
+real, plausible and wrong PID.  A VM runtime (Kata) shares host directories
+over 9p or virtio-fs, where a socket file's listener is in another kernel.
+
+Two signals, each one system call and each a fact the runtime itself
+reports, not a guess from timing or names:
+
+  1. the kernel: gVisor's sentry answers C{uname()} with a version string it
+     has never changed (C{#1 SMP Sun Jan 10 15:06:54 PST 2016}, in
+     C{pkg/sentry/kernel/version} of every release), and from 2026 a
+     release ending in C{-gvisor};
+  2. the broker directory's filesystem: C{fstatfs} of the checked directory
+     gives C{V9FS_MAGIC} for a gofer mount in every gVisor release, and for a
+     9p share in a VM.  A host's broker directory is a bind mount of a
+     tmpfs directory, never 9p.
+
+Not detected (see C{docs/compatibility.md}): a VM runtime sharing over
+virtio-fs (FUSE's magic is also a legitimate host filesystem); such a
+connect fails instead, since the socket's listener is in the host kernel.
+
+This module reads and judges; naming the check is L{hostpid.client.trust}'s.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import struct
+
+import attrs
+
+#: What gVisor's sentry reports as C{uname().version}, in every release.
+GVISOR_KERNEL_VERSION = "#1 SMP Sun Jan 10 15:06:54 PST 2016"
+#: The suffix of gVisor's C{uname().release} from 2026 (C{4.19.0-gvisor}).
+GVISOR_RELEASE_SUFFIX = "-gvisor"
+#: C{V9FS_MAGIC} (include/uapi/linux/magic.h): gVisor's gofer mounts, 9p shares.
+V9FS_MAGIC = 0x01021997
+
+#: C{struct statfs} is at most 120 bytes on Linux; C{f_type} comes first
+#: (a C{long}, C{__fsword_t}) on every architecture.
+_STATFS_SIZE = 256
+_F_TYPE = struct.Struct("l")
+
+
+@attrs.frozen
+class SandboxSignals:
+    """
+    What the runtime told us about itself.
+
+    @ivar kernel_release: C{uname().release}.
+    @ivar kernel_version: C{uname().version}.
+    @ivar mount_type: the broker directory's C{f_type} from C{fstatfs}, or
+        C{None} when there was no directory to ask about or the call failed.
+    """
+
+    kernel_release: str
+    kernel_version: str
+    mount_type: int | None
+
+
+#: The C library already loaded into this process (no search, no subprocess).
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_FSTATFS = _LIBC.fstatfs
+_FSTATFS.argtypes = (ctypes.c_int, ctypes.c_void_p)
+_FSTATFS.restype = ctypes.c_int
+
+
+def _fstatfs_type(fd: int) -> int | None:
+    """C{f_type} of the filesystem C{fd} is on (Python's C{statvfs} has no such field)."""
+    buffer = ctypes.create_string_buffer(_STATFS_SIZE)
+    if _FSTATFS(fd, buffer) != 0:
+        return None
+    (f_type,) = _F_TYPE.unpack_from(buffer.raw)
+    return int(f_type) & 0xFFFFFFFF
+
+
+def read_signals(directory_fd: int | None) -> SandboxSignals:
+    """The signals for the broker directory open at C{directory_fd} (if any)."""
+    kernel = os.uname()
+    mount_type = _fstatfs_type(directory_fd) if directory_fd is not None else None
+    return SandboxSignals(kernel.release, kernel.version, mount_type)
+
+
+def sandbox_problem(signals: SandboxSignals) -> str | None:
+    """
+    Why this looks like a sandboxed runtime, naming it, or C{None} when
+    nothing says so.
+    """
+    if (
+        signals.kernel_version == GVISOR_KERNEL_VERSION
+        or signals.kernel_release.endswith(GVISOR_RELEASE_SUFFIX)
+    ):
+        return (
+            f"gVisor (runsc) detected: the kernel is gVisor's sentry (uname "
+            f"{signals.kernel_release!r} {signals.kernel_version!r}); sandboxed runtime: the "
+            "broker would see the sandbox's gofer, not this process"
+        )
+    if signals.mount_type == V9FS_MAGIC:
+        return (
+            "the broker directory is on a 9p filesystem (f_type 0x01021997: gVisor's gofer "
+            "or a VM runtime's share); sandboxed runtime: the broker would not see this process"
+        )
+    return None
+
+
+def describe(signals: SandboxSignals) -> str:
+    """What was looked at, for an C{ok} line."""
+    mount = "not read" if signals.mount_type is None else f"f_type 0x{signals.mount_type:08x}"
+    return f"not sandboxed: kernel {signals.kernel_release}, broker directory {mount}"

@@ -1,0 +1,107 @@
+"""
+Issue 18, item 1: a lingering socket nested inside a passed Unix socket.
+
+The earlier fix (issue 12) met a lingering TCP socket passed directly: it is
+an Internet socket, so the broker resets its linger and closes it at once.
+Nested one level down it is out of reach: a real UID 1000 attacker makes a
+Unix socket pair, sends the lingering TCP socket into one end's receive
+queue, and passes I{that} end to the broker.  Whoever closes the last
+reference to the outer socket purges its queue and drops the TCP socket's
+last reference, so the kernel's C{tcp_close} waits out the linger in the
+closing thread (C{sk_stream_wait_close}).  Before the fix, four such sockets
+held both background closer threads for the linger time and filled the
+closer's queue past the room a read wanted (253 free slots), so the broker
+read no request again: 0 of 20 real clients answered, for as long as the
+attacker lived.
+
+The variants: C{nested} (Unix -> lingering TCP), C{double} (Unix -> Unix ->
+lingering TCP) and C{garbage} (a Unix socket that carries itself and the
+lingering TCP socket: once the broker closes its copy, only the garbage
+collector can free it, and on kernels before 6.10 it runs in whichever
+thread next closes any Unix socket).  Mode C{received} only: where the
+kernel has C{SO_PASSRIGHTS} nothing can be passed (see
+test_attack_passed_descriptors.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from attackers import NESTED_LINGERING_SOCKETS
+from support import as_user_argv, ask_pid, require_root, running_broker, wait_for
+
+from hostpid.broker.service import RECEIVE_DESCRIPTORS_ENV
+
+pytestmark = pytest.mark.privileged
+
+#: As long as a socket can linger: only an interrupted close ends sooner.
+LINGER = 2**31 - 1
+#: A real client's bound, generous for a shared machine.
+CLIENT_BOUND = 5.0
+
+#: argv: socket path, how many connections, linger seconds, nesting.  Each
+#: connection passes one outer Unix socket with its request.  Prints the
+#: sendmsg results as JSON, then waits for stdin to close.
+ATTACKER = r"""
+import array, errno, json, socket, struct, sys, time
+path, count, linger, how = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+REQUEST = b"HPID\x00\x01\x00\x01"
+""" + NESTED_LINGERING_SOCKETS + r"""
+results = []
+for _ in range(count):
+    outer = nested(linger, how)
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(path)
+    try:
+        conn.sendmsg([REQUEST], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                  array.array("i", [outer.fileno()]))])
+        results.append("sent")
+    except OSError as e:
+        results.append(errno.errorcode[e.errno])
+    outer.close()
+    keep.append(conn)
+print(json.dumps(results), flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.parametrize("how", ["nested", "double", "garbage"])
+def test_nested_lingering_sockets_do_not_stop_reads(public_tmp: Path, how: str) -> None:
+    require_root()
+    with running_broker(public_tmp / "broker", env={RECEIVE_DESCRIPTORS_ENV: "1"}) as broker:
+        attacker = subprocess.Popen(
+            as_user_argv(1000, [sys.executable, "-c", ATTACKER, str(broker.socket_path),
+                                "4", str(LINGER), how]),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        try:
+            assert attacker.stdout is not None
+            results = json.loads(attacker.stdout.readline())
+            assert results == ["sent"] * 4
+            wait_for(lambda: "descriptors transactions so far: 4" in broker.output(),
+                     "the four passed sockets counted as outcome descriptors")
+            # Then clients keep coming, as a node's workloads do, each
+            # bounded; before the fix none was answered from here on.
+            waits = []
+            for _ in range(20):
+                started = time.monotonic()
+                pid = ask_pid(broker.socket_path, timeout=CLIENT_BOUND)
+                waits.append(round(time.monotonic() - started, 3))
+                assert pid == os.getpid(), f"a real client was not answered: {waits}"
+            if how != "garbage":
+                # The outer sockets' closes were interrupted, not left to
+                # linger.  (Garbage is freed by the kernel's collector, which
+                # runs in a kernel worker from Linux 6.10 on: then no broker
+                # thread waits at all.)
+                wait_for(lambda: "closes interrupted" in broker.output(),
+                         "the broker to say it interrupted lingering closes")
+        finally:
+            attacker.kill()
+            attacker.wait()
+        assert max(waits) < CLIENT_BOUND

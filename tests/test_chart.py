@@ -1,0 +1,514 @@
+"""
+The Helm chart C{deploy/helm/hostpid-broker}, rendered and linted by Helm's
+own engine: C{helm_python} (PyPI C{helm-python-sdk}) binds Helm 4's Go SDK
+through ctypes, so templates, C{fail}, C{values.schema.json} and C{lint} are
+Helm's, not a re-implementation.
+
+Why each check exists:
+
+- C{lint} with strict on, for the oldest and newest Kubernetes the docs
+  claim: what C{helm lint --strict} would refuse is found here.
+- Every object of every render in L{RENDERS} validates offline with
+  C{kubernetes-validate} (strict: an unknown field fails) for the same
+  versions, and every broker pod keeps the design's rules
+  (L{test_deploy.pod_rule_violations}).  The Prometheus Operator's objects
+  are custom resources, which C{kubernetes-validate} has no schema for: their
+  selectors and ports are checked against the DaemonSet instead.
+- The design's rule (the broker is never enabled without the host PID
+  namespace), the other impossible combinations and the schema each fail a
+  render, with the exact message an operator reads.
+- The design's rollout and rollback as chart value changes (install
+  disabled, upgrade enabled, upgrade disabled) render what the docs say: only
+  the gate changes, the rolled-back render is the disabled one, and each
+  render's broker command runs as the shipped DaemonSet's does
+  (L{test_deploy.run_daemonset_container}).
+- C{deploy/kubernetes/} is generated from the chart
+  (C{deploy/helm/render-manifests}); the generated files must equal a fresh
+  render, and the script's C{--check} must catch a file that drifted.
+"""
+
+from __future__ import annotations
+
+import configparser
+import copy
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import kubernetes_validate.utils as kubernetes_validate
+import pytest
+import yaml
+from support import REPO
+from test_deploy import (
+    BROKER_DIRECTORY,
+    DAEMONSET,
+    DAEMONSET_WITHOUT_METRICS,
+    KUBERNETES,
+    KUBERNETES_VERSIONS,
+    broker_container,
+    container_argv,
+    gate_value,
+    load_documents,
+    option_value,
+    pod_rule_violations,
+    pod_spec,
+    run_daemonset_container,
+)
+
+CHART = REPO / "deploy" / "helm" / "hostpid-broker"
+RENDER_MANIFESTS = REPO / "deploy" / "helm" / "render-manifests"
+RELEASE = "hostpid-broker"
+#: The namespace the release record is stored in (the chart creates its own).
+RELEASE_NAMESPACE = "default"
+MONITORING_KINDS = {"PodMonitor", "ServiceMonitor"}
+
+
+def render(
+    values: dict[str, Any] | None = None,
+    *,
+    namespace: str = RELEASE_NAMESPACE,
+    revision: int = 1,
+    upgrade: bool = False,
+) -> list[dict[str, Any]]:
+    """Every object the chart renders with C{values}, as Helm renders it."""
+    with helm.Chart.load(CHART) as chart:
+        rendered = chart.render(
+            values, name=RELEASE, namespace=namespace, revision=revision,
+            is_install=not upgrade, is_upgrade=upgrade,
+        )
+    return [
+        doc for template, text in sorted(rendered.items()) if template.endswith(".yaml")
+        for doc in yaml.safe_load_all(text) if doc
+    ]
+
+
+def notes(values: dict[str, Any] | None = None) -> str:
+    with helm.Chart.load(CHART) as chart:
+        rendered = chart.render(values, name=RELEASE, namespace=RELEASE_NAMESPACE)
+    return rendered[f"{RELEASE}/templates/NOTES.txt"]
+
+
+def refusal(values: dict[str, Any], namespace: str = RELEASE_NAMESPACE) -> helm.HelmError:
+    """The error Helm refuses C{values} with (the test fails if it renders)."""
+    with pytest.raises(helm.HelmError) as refused:
+        render(values, namespace=namespace)
+    return refused.value
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    (doc,) = [doc for doc in docs if doc["kind"] == kind]
+    return doc
+
+
+def sets(*expressions: str) -> dict[str, Any]:
+    """Values as C{helm --set EXPR ...} gives them (Helm's own parser)."""
+    values: dict[str, Any] = {}
+    for expression in expressions:
+        values = merge(values, helm.parse_set_string(expression))
+    return values
+
+
+def merge(base: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in more.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+#: Renders whose every object must validate and keep the design's rules.
+RENDERS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "enabled": sets("hostPIDBroker.enabled=true"),
+    "without metrics": sets("metrics.enabled=false"),
+    "enabled without metrics or CDI": sets(
+        "hostPIDBroker.enabled=true", "metrics.enabled=false", "broker.cdi.enabled=false"),
+    "monitors on": sets("podMonitor.enabled=true", "serviceMonitor.enabled=true",
+                        "podMonitor.labels.release=prometheus"),
+    "IPv6 metrics": sets("metrics.bindAddress=::", "metrics.port=9500"),
+    "everything an operator sets": {
+        "hostPIDBroker": {"enabled": True},
+        "image": {"repository": "registry.internal/hami/hostpid-broker", "tag": "0.1.0-1",
+                  "pullPolicy": "Always", "pullSecrets": ["registry"]},
+        "broker": {"maxConnections": 1024, "deadline": 0.25, "lockParent": "/var/tmp/vgpulock",
+                   "cdi": {"enabled": True, "directory": "/etc/cdi"}},
+        "networkPolicy": {
+            "monitoringNamespaceSelector": {"matchLabels": {"team": "observability"}},
+            "additionalFrom": [{"ipBlock": {"cidr": "192.0.2.0/24"}}],
+        },
+        "livenessProbe": {"deadline": 5, "periodSeconds": 30, "timeoutSeconds": 8,
+                          "failureThreshold": 5},
+        "resources": {"requests": {"cpu": "250m", "memory": "64Mi"},
+                      "limits": {"cpu": "2", "memory": "256Mi"}},
+        "priorityClassName": "",
+        "nodeSelector": {"nvidia.com/gpu.present": "true"},
+        "tolerations": [],
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [
+                {"key": "kubernetes.io/os", "operator": "In", "values": ["linux"]}]}]}}},
+        "updateStrategy": {"type": "OnDelete"},
+        "podAnnotations": {"example.com/owner": "gpu-platform"},
+        "podLabels": {"example.com/tier": "node"},
+        "commonLabels": {"example.com/team": "gpu"},
+    },
+}
+
+
+# --- the chart itself ---------------------------------------------------------------
+
+
+def test_chart_version_follows_the_distribution() -> None:
+    setup = configparser.ConfigParser()
+    setup.read(REPO / "setup.cfg")
+    version = setup["metadata"]["version"]
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["apiVersion"] == "v2"
+    assert chart["name"] == "hostpid-broker"
+    assert (chart["version"], chart["appVersion"]) == (version, version)
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize("values", [None, RENDERS["enabled"], RENDERS["monitors on"]],
+                         ids=["defaults", "enabled", "monitors on"])
+def test_lint_strict_is_clean(version: str, values: dict[str, Any] | None) -> None:
+    """
+    C{helm lint --strict} (warnings are errors): nothing but Helm's one
+    informational note, that a chart icon is recommended (the project has no
+    icon to point at).
+    """
+    report = helm.lint(CHART, values, strict=True, namespace=RELEASE_NAMESPACE,
+                       kube_version=f"v{version}")
+    assert report["errors"] == [], report
+    assert report["messages"] == [
+        {"severity": 1, "path": "Chart.yaml", "error": "icon is recommended"}
+    ], report
+
+
+def test_lint_strict_fails_on_a_broken_chart(tmp_path: Path) -> None:
+    """The lint above can fail: a copy with a template error is reported."""
+    broken = tmp_path / "hostpid-broker"
+    shutil.copytree(CHART, broken)
+    path = broken / "templates" / "serviceaccount.yaml"
+    path.write_text(path.read_text() + "{{ .Values.broker.directory | nosuchfunction }}\n")
+    report = helm.lint(broken, strict=True, namespace=RELEASE_NAMESPACE)
+    assert any('function "nosuchfunction" not defined' in error for error in report["errors"])
+
+
+# --- every render: schemas and the design's rules -------------------------------------
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize("case", sorted(RENDERS))
+def test_every_rendered_object_validates(case: str, version: str) -> None:
+    docs = render(RENDERS[case])
+    validated = 0
+    for doc in docs:
+        if doc["kind"] in MONITORING_KINDS:
+            continue
+        assert kubernetes_validate.validate(doc, version, strict=True) == \
+            version.rsplit(".", 1)[0], (case, doc["kind"])
+        validated += 1
+    assert validated >= 3, [doc["kind"] for doc in docs]
+
+
+@pytest.mark.parametrize("case", sorted(RENDERS))
+def test_every_render_keeps_the_design_rules(case: str) -> None:
+    docs = render(RENDERS[case])
+    ds = by_kind(docs, "DaemonSet")
+    spec = pod_spec(ds)
+    assert spec is not None
+    assert pod_rule_violations(spec, case) == []
+    enabled = RENDERS[case].get("hostPIDBroker", {}).get("enabled", False)
+    assert gate_value(broker_container(ds)) == ("1" if enabled else "0")
+    namespaces = {doc["metadata"].get("namespace") for doc in docs if doc["kind"] != "Namespace"}
+    assert namespaces == {"hostpid"}, "every object in the broker's namespace"
+
+
+def test_monitors_scrape_the_brokers_metrics_port() -> None:
+    """
+    The custom resources (no schema in kubernetes-validate): each selects the
+    broker's pods (the ServiceMonitor through a headless Service that does),
+    on the port named C{metrics} that the container declares.
+    """
+    docs = render(RENDERS["monitors on"])
+    ds = by_kind(docs, "DaemonSet")
+    pod_labels = ds["spec"]["template"]["metadata"]["labels"]
+    ports = {p["name"]: p["containerPort"] for p in broker_container(ds)["ports"]}
+    pod_monitor = by_kind(docs, "PodMonitor")
+    assert pod_monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert pod_monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert pod_monitor["metadata"]["labels"]["release"] == "prometheus"
+    (endpoint,) = pod_monitor["spec"]["podMetricsEndpoints"]
+    assert (endpoint["port"], endpoint["path"]) == ("metrics", "/metrics")
+    assert "metrics" in ports
+    service = by_kind(docs, "Service")
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    (service_port,) = service["spec"]["ports"]
+    assert (service_port["name"], service_port["targetPort"]) == ("metrics", "metrics")
+    service_monitor = by_kind(docs, "ServiceMonitor")
+    assert service_monitor["spec"]["selector"]["matchLabels"].items() <= \
+        service["metadata"]["labels"].items()
+    assert service_monitor["spec"]["endpoints"][0]["port"] == "metrics"
+    assert not {"PodMonitor", "ServiceMonitor", "Service"} & {d["kind"] for d in render()}, \
+        "off by default"
+
+
+def test_values_reach_the_broker_as_options() -> None:
+    """The broker's options, metrics endpoint and probes follow the values."""
+    docs = render(RENDERS["everything an operator sets"])
+    container = broker_container(by_kind(docs, "DaemonSet"))
+    argv = container_argv(container)
+    assert option_value(argv, "--max-connections") == "1024"
+    assert option_value(argv, "--deadline") == "0.25"
+    assert option_value(argv, "--cdi-dir") == "/etc/cdi"
+    assert option_value(argv, "--lock-parent") == "/var/tmp/vgpulock"
+    assert option_value(argv, "--metrics") == "tcp:9394:interface=0.0.0.0"
+    assert container["image"] == "registry.internal/hami/hostpid-broker:0.1.0-1"
+    assert container["livenessProbe"]["exec"]["command"][2].endswith("--timeout 5")
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    assert mounts == {BROKER_DIRECTORY, "/etc/cdi", "/var/tmp"}
+    # The broker's own bound, from a values file (where Helm reads numbers as floats,
+    # which its templates would print as 1.048576e+06).
+    largest = render(helm.values_from_yaml("broker:\n  maxConnections: 1048576\n"))
+    argv = container_argv(broker_container(by_kind(largest, "DaemonSet")))
+    assert option_value(argv, "--max-connections") == "1048576"
+    ipv6 = broker_container(by_kind(render(RENDERS["IPv6 metrics"]), "DaemonSet"))
+    assert option_value(container_argv(ipv6), "--metrics") == r"tcp6:9500:interface=\:\:"
+
+
+def test_another_broker_directory_is_used_everywhere() -> None:
+    """C{broker.directory}: the option, the hostPath, the mount and both probes."""
+    directory = "/var/lib/hami/hostpid"
+    ds = by_kind(render(sets(f"broker.directory={directory}")), "DaemonSet")
+    container = broker_container(ds)
+    assert option_value(container_argv(container), "--directory") == directory
+    (volume,) = [v for v in pod_spec(ds)["volumes"] if v["name"] == "broker-dir"]  # type: ignore[index]
+    assert volume["hostPath"] == {"path": directory, "type": "DirectoryOrCreate"}
+    assert {"name": "broker-dir", "mountPath": directory} in container["volumeMounts"]
+    for kind in ("livenessProbe", "readinessProbe"):
+        assert f"--socket {directory}/broker.sock " in container[kind]["exec"]["command"][2]
+
+
+def test_the_release_can_live_in_the_brokers_namespace_when_the_chart_does_not_create_it(
+) -> None:
+    docs = render(sets("namespace.create=false"), namespace="hostpid")
+    assert "Namespace" not in {doc["kind"] for doc in docs}
+    assert {doc["metadata"]["namespace"] for doc in docs} == {"hostpid"}
+
+
+def test_notes_tell_the_operator_how_to_check_a_node() -> None:
+    text = notes()
+    assert "kubectl -n hostpid rollout status daemonset/hostpid-broker" in text
+    assert f"hostpid probe --socket {BROKER_DIRECTORY}/broker.sock" in text
+    assert "The gate is OFF (hostPIDBroker.enabled=false)" in text
+    assert "The gate is ON (hostPIDBroker.enabled=true)" in notes(RENDERS["enabled"])
+
+
+# --- the design's rule, the other impossible combinations, the schema ------------------
+
+#: The design's rule, word for word as the operator reads it.
+DESIGN_RULE = (
+    "execution error at (hostpid-broker/templates/rules.yaml:2:4): "
+    "hostPIDBroker.enabled=true requires hostPID=true: without the host PID namespace the "
+    "broker would report PIDs of its own namespace (it refuses to start there); set "
+    "hostPID=true or hostPIDBroker.enabled=false"
+)
+
+
+def test_the_design_rule_enabled_without_host_pid_fails_the_render() -> None:
+    """
+    The design: "The chart rejects a configuration that enables the broker
+    while disabling the device plugin host PID namespace."  One message
+    naming both values; given as --set flags or as a values file alike.
+    """
+    refused = refusal(sets("hostPIDBroker.enabled=true", "hostPID=false"))
+    assert isinstance(refused, helm.HelmRenderError)
+    assert refused.detail == DESIGN_RULE
+    values_file = helm.values_from_yaml("hostPID: false\nhostPIDBroker:\n  enabled: true\n")
+    assert refusal(values_file).detail == DESIGN_RULE
+    # (helm lint renders in its lint mode, where Helm logs a `fail` instead of failing:
+    # the render, which install and upgrade perform, is what enforces the rule.)
+
+
+def test_host_pid_off_is_allowed_while_the_broker_is_disabled() -> None:
+    """Only the enabled combination is refused: a disabled broker needs no host PIDs."""
+    ds = by_kind(render(sets("hostPID=false")), "DaemonSet")
+    assert pod_spec(ds)["hostPID"] is False  # type: ignore[index]
+    assert gate_value(broker_container(ds)) == "0"
+
+
+IMPOSSIBLE: dict[str, tuple[dict[str, Any], str, str]] = {
+    "a monitor without metrics": (
+        sets("metrics.enabled=false", "podMonitor.enabled=true"), RELEASE_NAMESPACE,
+        "podMonitor.enabled=true requires metrics.enabled=true: there is no metrics port to "
+        "scrape"),
+    "a monitor of a loopback listener": (
+        sets("metrics.bindAddress=127.0.0.1", "serviceMonitor.enabled=true"), RELEASE_NAMESPACE,
+        "serviceMonitor.enabled=true cannot scrape metrics.bindAddress=127.0.0.1: a loopback "
+        "address is reachable only inside the pod"),
+    "a surge": (
+        sets("updateStrategy.rollingUpdate.maxSurge=1"), RELEASE_NAMESPACE,
+        "updateStrategy.rollingUpdate.maxSurge=1 must be 0: a surge pod would be a second "
+        "broker on the node, find broker.lock held and crash-loop"),
+    "a probe the kubelet ends before its deadline": (
+        sets("livenessProbe.timeoutSeconds=3"), RELEASE_NAMESPACE,
+        "livenessProbe.timeoutSeconds=3 must be at least livenessProbe.deadline=3 plus 1 s: "
+        "the kubelet would end the probe before its deadline (it starts a Python process "
+        "first)"),
+    "the release stored in the namespace it creates": (
+        {}, "hostpid",
+        "namespace.create=true makes the release create namespace hostpid, so the release "
+        "cannot be stored in it: install into another namespace (--namespace default), or "
+        "create and label hostpid yourself and set namespace.create=false"),
+    "the lock parent at the root": (
+        sets("broker.lockParent=/"), RELEASE_NAMESPACE,
+        "broker.lockParent must not be /: its parent directory is mounted from the host"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(IMPOSSIBLE))
+def test_an_impossible_combination_fails_the_render(case: str) -> None:
+    values, namespace, message = IMPOSSIBLE[case]
+    refused = refusal(values, namespace)
+    assert isinstance(refused, helm.HelmRenderError)
+    assert refused.detail == f"execution error at (hostpid-broker/templates/rules.yaml:2:4): " \
+        f"{message}"
+
+
+def schema_message(*lines: str) -> str:
+    return ("values don't meet the specifications of the schema(s) in the following chart(s):\n"
+            "hostpid-broker:\n" + "".join(f"- {line}\n" for line in lines))
+
+
+SCHEMA_REFUSALS: dict[str, tuple[dict[str, Any], str]] = {
+    "the gate as a string": (
+        {"hostPIDBroker": {"enabled": "1"}},
+        schema_message("at '/hostPIDBroker/enabled': got string, want boolean")),
+    "hostPID mistyped": (
+        {"hostPid": True}, schema_message("at '': additional properties 'hostPid' not allowed")),
+    "hostPID as a string (--set-string)": (
+        helm.parse_set_string_values("hostPID=false"),
+        schema_message("at '/hostPID': got string, want boolean")),
+    "a port out of range": (
+        sets("metrics.port=70000"),
+        schema_message("at '/metrics/port': maximum: got 70,000, want 65,535")),
+    "a relative directory": (
+        sets("broker.directory=var/run/hami/hostpid"),
+        schema_message("at '/broker/directory': 'var/run/hami/hostpid' does not match "
+                       "pattern '^/[A-Za-z0-9._/-]*$'")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SCHEMA_REFUSALS))
+def test_the_schema_refuses_a_mistyped_value_before_rendering(case: str) -> None:
+    values, message = SCHEMA_REFUSALS[case]
+    refused = refusal(values)
+    assert isinstance(refused, helm.HelmValuesError)
+    assert refused.detail == message
+
+
+# --- rollout and rollback in chart terms (docs/rollout.md) -----------------------------
+
+#: docs/rollout.md: helm install --set image.repository=... --set
+#: hostPIDBroker.enabled=false, then helm upgrade --reuse-values --set
+#: hostPIDBroker.enabled=true (the design's rollout step 3), then the same with
+#: false (rollback step 1).  --reuse-values: each upgrade keeps the values before it.
+INSTALLED = sets("image.repository=registry.internal/hostpid/hostpid-broker",
+                 "hostPIDBroker.enabled=false")
+STEPS = {
+    "disabled (install)": (INSTALLED, 1, False),
+    "enabled (upgrade)": (merge(INSTALLED, sets("hostPIDBroker.enabled=true")), 2, True),
+    "rolled back (upgrade)": (merge(INSTALLED, sets("hostPIDBroker.enabled=false")), 3, True),
+}
+
+
+def step(name: str) -> list[dict[str, Any]]:
+    values, revision, upgrade = STEPS[name]
+    return render(values, revision=revision, upgrade=upgrade)
+
+
+def without_gate(doc: dict[str, Any]) -> dict[str, Any]:
+    doc = copy.deepcopy(doc)
+    container = broker_container(doc)
+    container["env"] = [v for v in container["env"] if v["name"] != "LIBVGPU_HOSTPID_BROKER"]
+    return doc
+
+
+def test_rollout_and_rollback_change_the_gate_and_nothing_else() -> None:
+    disabled, enabled, rolled_back = (step(name) for name in STEPS)
+    gates = [gate_value(broker_container(by_kind(docs, "DaemonSet")))
+             for docs in (disabled, enabled, rolled_back)]
+    assert gates == ["0", "1", "0"]
+    assert rolled_back == disabled, "rolling back renders exactly the disabled release"
+    assert [without_gate(d) if d["kind"] == "DaemonSet" else d for d in enabled] == \
+        [without_gate(d) if d["kind"] == "DaemonSet" else d for d in disabled], \
+        "enabling changes the gate alone: the same mounts, options, probes"
+    for docs in (disabled, enabled):
+        ds = by_kind(docs, "DaemonSet")
+        container = broker_container(ds)
+        mounts = {(m["name"], m["mountPath"], bool(m.get("readOnly")))
+                  for m in container["volumeMounts"]}
+        assert mounts == {("broker-dir", BROKER_DIRECTORY, False),
+                          ("cdi-dir", "/var/run/cdi", False), ("host-tmp", "/tmp", False)}
+        # Even disabled, the broker prepares the lock parent and writes the CDI spec.
+        argv = container_argv(container)
+        assert option_value(argv, "--cdi-dir") == "/var/run/cdi"
+        assert option_value(argv, "--lock-parent") == "/tmp/vgpulock"
+
+
+@pytest.mark.parametrize("name", [*STEPS, "enabled without metrics or CDI"])
+def test_each_rendered_broker_runs_as_the_shipped_daemonset_does(name: str) -> None:
+    """
+    The rendered DaemonSet's container, run as root without capabilities,
+    and its exec probes, as C{test_deploy.py} runs the shipped one: it serves
+    (enabled) or prepares what a disabled broker prepares (disabled, rolled
+    back), and its probes judge it.
+    """
+    docs = step(name) if name in STEPS else render(RENDERS[name])
+    run_daemonset_container(by_kind(docs, "DaemonSet"))
+
+
+# --- deploy/kubernetes/ is generated from the chart ------------------------------------
+
+
+def test_the_raw_manifests_are_the_default_render() -> None:
+    """Object for object, independently of the script that writes them."""
+    docs = render()
+    assert load_documents(DAEMONSET) == [by_kind(docs, "DaemonSet")]
+    for name, kind in (("00-namespace.yaml", "Namespace"),
+                       ("10-serviceaccount.yaml", "ServiceAccount"),
+                       ("30-networkpolicy.yaml", "NetworkPolicy")):
+        assert load_documents(KUBERNETES / name) == [by_kind(docs, kind)], name
+    assert load_documents(DAEMONSET_WITHOUT_METRICS) == \
+        [by_kind(render(sets("metrics.enabled=false")), "DaemonSet")]
+
+
+def render_manifests(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(RENDER_MANIFESTS), *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_the_generated_files_have_not_drifted_from_the_chart(tmp_path: Path) -> None:
+    """
+    C{render-manifests --check} passes on the tree, and fails, naming the
+    file, on a copy where one generated file was edited by hand.
+    """
+    done = render_manifests("--check")
+    assert done.returncode == 0, done.stderr
+    copy_dir = tmp_path / "kubernetes"
+    shutil.copytree(KUBERNETES, copy_dir)
+    edited = copy_dir / "20-daemonset.yaml"
+    edited.write_text(edited.read_text().replace("cpu: 100m", "cpu: 10m"))
+    drifted = render_manifests("--check", "--into", str(copy_dir))
+    assert drifted.returncode == 1
+    assert drifted.stderr == (f"{copy_dir} differs from the chart (run "
+                              "deploy/helm/render-manifests): 20-daemonset.yaml\n")
+    rewritten = render_manifests("--into", str(copy_dir))
+    assert rewritten.returncode == 0, rewritten.stderr
+    assert edited.read_text() == DAEMONSET.read_text()

@@ -1,0 +1,117 @@
+"""
+L{hostpid.broker.closewatch} on real sockets: a close that would linger is
+interrupted, one that cannot be is reported and worked around, and the
+watchdog never sends a signal that has no handler.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import socket
+import struct
+import time
+from collections.abc import Iterator
+
+import pytest
+from attackers import LINGERING_SOCKET
+from support import wait_for
+
+from hostpid.broker.closewatch import CloseWatch, default_watch
+from hostpid.broker.descriptors import BackgroundCloser
+
+pytestmark = pytest.mark.kernel
+
+#: Far longer than any bound below: only an interrupt ends such a close sooner.
+LINGER = 600
+
+
+@pytest.fixture
+def attacker() -> Iterator[dict[str, object]]:
+    """L{LINGERING_SOCKET}'s pieces, in this process; its peers closed afterwards."""
+    pieces: dict[str, object] = {"socket": socket, "struct": struct, "time": time}
+    exec(LINGERING_SOCKET, pieces)
+    yield pieces
+    for held in pieces["keep"]:  # type: ignore[attr-defined]
+        held.close()
+
+
+def nested(attacker: dict[str, object]) -> tuple[int, socket.socket]:
+    """
+    A Unix socket (returned as a bare descriptor, the last reference) whose
+    receive queue holds a lingering TCP socket, and the peer that sent it.
+    """
+    tcp = attacker["lingering"](LINGER)  # type: ignore[operator]
+    outer, peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    peer.sendmsg([b"n"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                           array.array("i", [tcp.fileno()]))])
+    tcp.close()
+    return outer.detach(), peer
+
+
+def test_a_lingering_close_nested_in_a_unix_socket_is_interrupted(attacker) -> None:
+    """
+    Closing the outer socket purges its queue and drops the TCP socket's
+    last reference in the closer's thread, which would wait LINGER seconds;
+    the watchdog interrupts it, so it closes while the attacker (its peer,
+    its listener) is still there.
+    """
+    watch = default_watch()
+    assert watch.install(), watch.reason
+    before = watch.interrupted
+    closer = BackgroundCloser(threads=1)
+    fd, peer = nested(attacker)
+    started = time.monotonic()
+    closer.submit(fd)
+    wait_for(lambda: closer.closed == 1, "the interrupted close to return", timeout=10)
+    took = time.monotonic() - started
+    assert took < 10 and watch.interrupted > before
+    peer.close()
+
+
+def test_the_watch_never_signals_without_its_handler() -> None:
+    """
+    Not installed (its real-time signal's default action would end the
+    process), a watch sees a close in progress but sends nothing.
+    """
+    watch = CloseWatch(signum=int(default_watch().signum) + 1)
+    guard = watch.guard("this thread")
+    guard.closes += 1
+    guard.busy = True
+    for _ in range(5):
+        watch.look()
+    guard.busy = False
+    assert watch.interrupted == 0 and not watch.active
+
+
+def test_a_close_that_ignores_interrupts_is_reported_and_a_thread_replaces_it(
+    attacker,
+) -> None:
+    """
+    A close nothing interrupts (here: a watch never installed, so no signal
+    is sent) is reported stuck after stuckAfter, and the closer starts a
+    fresh thread so that what waits behind it still closes.
+    """
+    watch = CloseWatch(stuckAfter=0.1)
+    closer = BackgroundCloser(threads=1, watch=watch)
+    fd, peer = nested(attacker)
+    read, write = os.pipe()
+    closer.submit(fd)
+    closer.submit(read)
+    wait_for(lambda: watch.look(), "the closer thread to be inside the close")
+    for _ in range(int(0.1 / watch.pollBusy) + 2):
+        watch.look()
+    assert watch.stuck == 1
+    wait_for(lambda: closer.closed == 1, "a fresh thread to close the pipe behind it")
+    with pytest.raises(BrokenPipeError):
+        os.write(write, b"x")
+    os.close(write)
+    # The attacker goes: its listener's reset ends the lingering close, and
+    # the stuck thread, replaced, finishes its close and leaves.
+    for held in attacker["keep"]:  # type: ignore[attr-defined]
+        held.close()
+    attacker["keep"].clear()  # type: ignore[attr-defined]
+    wait_for(lambda: closer.closed == 2, "the stuck close to return once the peer reset")
+    watch.look()
+    assert watch.stuck == 0
+    peer.close()

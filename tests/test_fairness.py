@@ -1,0 +1,58 @@
+"""
+L{hostpid.broker.fairness.PeerQueues}: the victim is always the oldest item
+of the peer holding the most, whatever order items come and go in.
+"""
+
+from __future__ import annotations
+
+import random
+
+from hostpid.broker.fairness import PeerQueues
+
+
+def reference_victim(waiting: list[tuple[str, int]], reached: dict[tuple[int, int], int]):
+    """The rule written the slow way: most held, then reached that count first."""
+    counts: dict[int, int] = {}
+    for _, peer in waiting:
+        counts[peer] = counts.get(peer, 0) + 1
+    if not counts:
+        return None
+    most = max(counts.values())
+    peer = min((p for p, n in counts.items() if n == most), key=lambda p: reached[(p, most)])
+    return next(item for item, p in waiting if p == peer), peer
+
+
+def test_matches_the_slow_rule_under_random_traffic() -> None:
+    rng = random.Random(19)
+    queues: PeerQueues[str, int] = PeerQueues()
+    waiting: list[tuple[str, int]] = []
+    reached: dict[tuple[int, int], int] = {}
+    counts: dict[int, int] = {}
+    for step in range(5000):
+        if waiting and rng.random() < 0.45:
+            item, peer = waiting.pop(rng.randrange(len(waiting)))
+            assert queues.remove(item, peer)
+            counts[peer] -= 1
+            if counts[peer]:
+                reached[(peer, counts[peer])] = step
+        else:
+            peer = rng.randrange(6)
+            item = f"c{step}"
+            queues.add(item, peer)
+            waiting.append((item, peer))
+            counts[peer] = counts.get(peer, 0) + 1
+            reached[(peer, counts[peer])] = step
+        assert queues.victim() == reference_victim(waiting, reached)
+        assert len(queues) == len(waiting)
+        assert queues.most == max(counts.values(), default=0)
+
+
+def test_removing_what_is_not_there() -> None:
+    queues: PeerQueues[str, int] = PeerQueues()
+    assert not queues.remove("a", 1)
+    queues.add("a", 1)
+    assert not queues.remove("b", 1)
+    assert not queues.remove("a", 2)
+    assert queues.remove("a", 1)
+    assert not queues.remove("a", 1)
+    assert queues.victim() is None and queues.most == 0 and queues.count(1) == 0
