@@ -20,6 +20,8 @@ from support import wait_for
 from hostpid.broker.closewatch import CloseWatch, default_watch
 from hostpid.broker.descriptors import BackgroundCloser
 
+pytestmark = pytest.mark.kernel
+
 #: Far longer than any bound below: only an interrupt ends such a close sooner.
 LINGER = 600
 

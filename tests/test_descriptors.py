@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 from attackers import LINGERING_SOCKET
+from kernelfeatures import has, kernel_feature
 from support import wait_for
 
 from hostpid import wire
@@ -27,6 +28,8 @@ from hostpid.broker.descriptors import (
     refuse_descriptor_passing,
     unix_out_of_band_supported,
 )
+
+pytestmark = pytest.mark.kernel
 
 
 def rights(*fds: int) -> list[tuple[int, int, array.array]]:
@@ -102,6 +105,7 @@ def test_release_of_a_clean_connection_finds_nothing(pair) -> None:
     assert receiver.closer.pending == 0
 
 
+@kernel_feature("UNIX_OOB")
 def test_out_of_band_descriptors_are_received_once_inline(pair) -> None:
     """Without SO_OOBINLINE the second read would silently discard the descriptor."""
     server, client = pair
@@ -115,6 +119,7 @@ def test_out_of_band_descriptors_are_received_once_inline(pair) -> None:
     os.close(write)
 
 
+@kernel_feature("UNIX_OOB")
 def test_this_kernel_has_unix_out_of_band_data(pair) -> None:
     """
     The probe agrees with what a real out-of-band message does here: it is
@@ -169,6 +174,7 @@ def test_closer_saturates_at_its_limit() -> None:
     os.close(write)
 
 
+@kernel_feature("SO_PASSRIGHTS")
 def test_this_kernel_refuses_descriptors_when_asked() -> None:
     """Linux 6.16+ (this machine runs 6.18): SO_PASSRIGHTS can be set and reads back 0."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
@@ -294,12 +300,16 @@ def test_a_peek_never_drops_a_queued_descriptor(pair) -> None:
 
 
 def test_receive_first_reads_inline_and_refuses_descriptors(pair) -> None:
-    """The fast path's read: out-of-band inline, C{None} for a message with descriptors."""
+    """
+    The fast path's read: out-of-band inline where the kernel has Unix
+    out-of-band data (not 5.10), C{None} for a message with descriptors.
+    """
     server, client = pair
     receiver = PassedDescriptors(BackgroundCloser())
     client.sendall(wire.GET_HOST_PID_REQUEST)
     assert receiver.receiveFirst(server, 256) == wire.GET_HOST_PID_REQUEST
-    assert server.getsockopt(socket.SOL_SOCKET, socket.SO_OOBINLINE) == 1
+    inline = server.getsockopt(socket.SOL_SOCKET, socket.SO_OOBINLINE)
+    assert inline == int(has("UNIX_OOB"))
     read, write = os.pipe()
     client.sendmsg([b"x"], rights(read))
     os.close(read)

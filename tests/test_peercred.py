@@ -12,6 +12,7 @@ import socket
 from pathlib import Path
 
 import pytest
+from kernelfeatures import kernel_feature
 from support import accepted_from_exited_child, in_child, require_root
 from twisted.logger import Logger
 
@@ -26,6 +27,8 @@ from hostpid.peercred import (
     pidfd_current_pid,
 )
 
+pytestmark = pytest.mark.kernel
+
 
 def fds() -> int:
     return len(os.listdir("/proc/self/fd"))
@@ -38,6 +41,7 @@ def test_credentials_of_a_socketpair_are_ours(pair) -> None:
     )
 
 
+@kernel_feature("SO_PEERPIDFD")
 def test_pidfd_names_the_peer(pair) -> None:
     pidfd = peer_pidfd(pair[0])
     try:
@@ -46,6 +50,7 @@ def test_pidfd_names_the_peer(pair) -> None:
         os.close(pidfd)
 
 
+@kernel_feature("SO_PEERPIDFD")
 def test_identifier_vouches_for_a_live_peer_and_leaks_no_descriptor(pair) -> None:
     identifier = PeerIdentifier()
     before = fds()
@@ -55,6 +60,7 @@ def test_identifier_vouches_for_a_live_peer_and_leaks_no_descriptor(pair) -> Non
     assert identifier.pidfdSupported is True
 
 
+@kernel_feature("SO_PEERPIDFD")
 @pytest.mark.parametrize("signalCheck", [True, False], ids=["pidfd_send_signal", "ioctl"])
 def test_peer_that_exited_is_not_vouched_for(tmp_path: Path, signalCheck: bool) -> None:
     """Both liveness tests: signal 0 (the default here) and the pidfd's current PID."""

@@ -31,6 +31,8 @@ from hostpid.broker.port import (
 )
 from hostpid.broker.server import BrokerFactory
 
+pytestmark = pytest.mark.kernel
+
 
 class ScriptedListener:
     """A listening socket whose accept() fails or succeeds as scripted."""

@@ -27,6 +27,8 @@ from hostpid.starttime import (
     started_after,
 )
 
+pytestmark = pytest.mark.kernel
+
 
 def next_tick_after(accepted: int) -> None:
     """Wait (bounded) until CLOCK_BOOTTIME is past the tick C{accepted} falls in."""

@@ -42,8 +42,8 @@ from support import (
     as_user_argv,
     require_root,
     running_broker,
+    scaled,
     subprocess_env,
-    time_scale,
 )
 
 from hostpid.broker.service import RECEIVE_DESCRIPTORS_ENV
@@ -120,7 +120,7 @@ def hami_core(client: Path, socket_path: Path) -> tuple[str, float]:
     started = time.monotonic()
     done = subprocess.run(
         [str(client), "--socket", str(socket_path), "--without", "read-only-mount",
-         "--deadline-ms", str(round(CLIENT_DEADLINE * time_scale() * 1000))],
+         "--deadline-ms", str(round(scaled(CLIENT_DEADLINE) * 1000))],
         capture_output=True, text=True, timeout=WAIT_SECONDS, check=False,
         env={"LIBVGPU_HOSTPID_BROKER": "1"},
     )

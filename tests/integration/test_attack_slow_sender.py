@@ -33,7 +33,7 @@ from support import (
 from hostpid import wire
 from hostpid.broker.server import max_waiting_per_peer
 
-pytestmark = pytest.mark.privileged
+pytestmark = [pytest.mark.privileged, pytest.mark.kernel]
 
 #: Real clients, and the share of them that must be answered.
 CLIENTS = 200

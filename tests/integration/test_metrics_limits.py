@@ -205,6 +205,7 @@ def own_descriptors() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, wanted), hard))
 
 
+@pytest.mark.kernel
 def test_idle_metrics_flood_cannot_take_the_brokers_descriptors(
     tmp_path: Path, own_descriptors: None
 ) -> None:
@@ -245,6 +246,7 @@ def test_idle_metrics_flood_cannot_take_the_brokers_descriptors(
     assert output.count("metrics server at its limit") <= 12, output
 
 
+@pytest.mark.kernel
 def test_keepalive_clients_cannot_hold_the_slots(tmp_path: Path) -> None:
     """
     The review's attack: 16 clients polling /healthz on keep-alive

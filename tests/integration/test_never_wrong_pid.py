@@ -81,6 +81,8 @@ def assert_check_in_force(broker: BrokerProcess, liveness: Liveness) -> None:
         line = liveness.line
         wait_for(lambda: line in broker.output(), "the broker to name its liveness check")
 
+pytestmark = pytest.mark.kernel
+
 
 def in_new_pid_namespace() -> list[str]:
     require_root()

@@ -16,7 +16,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from support import require_root, require_tool, subprocess_env
+
+pytestmark = pytest.mark.kernel
 
 HELPER = Path(__file__).with_name("pidreuse.py")
 

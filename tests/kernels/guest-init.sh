@@ -1,0 +1,48 @@
+#!/bin/sh
+# The guest's PID 1 after switch_root (tests/kernels/initramfs.py): the host's
+# root, read-only under a tmpfs overlay.  It sets up what systemd would give a
+# service (the kernel file systems, a tmpfs /tmp and /run, loopback, a
+# descriptor limit of 1024 soft / 524288 hard), runs the job that
+# tests/kernels/vm.py wrote into the job share, writes the results there and
+# powers the machine off.  Nothing it writes reaches the host except through
+# the job share: the overlay's upper layer is guest memory.
+JOB=/mnt/hostpid-job
+export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+export HOME=/root LANG=C.UTF-8
+
+poweroff() {
+    sync
+    echo o > /proc/sysrq-trigger
+    sleep 60
+}
+
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+mount -t devtmpfs devtmpfs /dev
+mkdir -p /dev/pts /dev/shm
+mount -t devpts -o gid=5,mode=620,ptmxmode=000 devpts /dev/pts
+mount -t tmpfs -o mode=1777 tmpfs /dev/shm
+mount -t cgroup2 cgroup2 /sys/fs/cgroup
+mount -t tmpfs -o mode=1777 tmpfs /tmp
+mount -t tmpfs -o mode=0755 tmpfs /run
+ip link set lo up
+cut -d' ' -f1 /proc/uptime > "$JOB/booted-at"
+
+. "$JOB/job.env"
+prlimit --pid $$ --nofile=1024:524288
+uname -r > "$JOB/uname"
+# The host's /tmp/vgpulock as the guest sees it: through the read-only lower
+# layer, shadowed here by the guest's own tmpfs /tmp (absent unless a test
+# makes one).  vm.py compares the host's before and after the run.
+cd "$WORKTREE" || poweroff
+"$PYTHON" tests/kernelfeatures.py > "$JOB/features.json" 2> "$JOB/features.err"
+cut -d' ' -f1 /proc/uptime > "$JOB/tests-started-at"
+# shellcheck disable=SC2086  # PYTEST_ARGS is a list of words quoted by vm.py
+eval "set -- $PYTEST_ARGS"
+timeout --kill-after=10 "$GUEST_TIMEOUT" env HOSTPID_REQUIRE_PRIVILEGED=1 HOSTPID_KERNEL_MATRIX=0 PYTHONUNBUFFERED=1 \
+    HOSTPID_TIME_SCALE="$TIME_SCALE" \
+    "$PYTHON" -m pytest -p no:cacheprovider --junitxml="$JOB/junit.xml" "$@" \
+    > "$JOB/pytest.log" 2>&1
+echo $? > "$JOB/pytest.rc"
+cut -d' ' -f1 /proc/uptime > "$JOB/tests-ended-at"
+poweroff

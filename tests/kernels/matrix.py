@@ -1,0 +1,88 @@
+"""
+The kernel matrix: which kernels, which tests, and what counts as a failure.
+
+The subset is C{pytest -m kernel} (the C{kernel} mark, tests/kernelfeatures.py
+says which tests carry it and why).  A kernel's run fails when a guest test
+failed, when the VM produced no results (it did not boot, timed out, or
+pytest did not finish), or when the host's C{/tmp/vgpulock} changed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from kernels import debian, vm
+
+WORKTREE = Path(__file__).resolve().parent.parent.parent
+
+#: The guest's pytest arguments: the kernel-sensitive subset, quietly.
+SUBSET: tuple[str, ...] = ("-m", "kernel", "-q", "-ra", "--durations=15", "tests")
+
+
+#: Each VM's hard timeout in the matrix: the subset took 6-12 minutes a kernel on a
+#: shared 2-core machine (load average 5-9 from other work while it ran).
+VM_TIMEOUT = 900.0
+
+
+def selected(series: Sequence[str] | None) -> list[debian.Kernel]:
+    if not series:
+        return list(debian.KERNELS)
+    chosen = [kernel for kernel in debian.KERNELS if kernel.series in series]
+    unknown = set(series) - {kernel.series for kernel in chosen}
+    if unknown:
+        raise SystemExit(f"no kernel {sorted(unknown)} in the matrix {debian.KERNELS}")
+    return chosen
+
+
+def run_kernel(
+    kernel: debian.Kernel, pytest_args: Sequence[str] | None = None,
+    timeout: float = vm.DEFAULT_TIMEOUT,
+) -> vm.GuestRun:
+    unpacked = debian.obtain(kernel)
+    return vm.run(unpacked, pytest_args or SUBSET, WORKTREE, timeout=timeout)
+
+
+def problem(run: vm.GuestRun) -> str | None:
+    """Why C{run} failed, or C{None}: one line naming what went wrong."""
+    if run.host_lock_parent_changed:
+        return f"the host's {vm.HOST_LOCK_PARENT} changed: {run.host_lock_parent_changed}"
+    if run.returncode is None:
+        return f"the VM was killed at its timeout; console: {run.job / 'console.log'}"
+    if not run.outcomes:
+        tail = "\n".join(run.console().splitlines()[-15:])
+        return f"the guest reported no test results (pytest rc {run.pytest_rc}); console:\n{tail}"
+    failed = run.failed()
+    if failed:
+        return f"{len(failed)} failed on {run.release}: " + ", ".join(o.nodeid for o in failed)
+    if run.pytest_rc not in (0,):
+        return f"the guest's pytest exited {run.pytest_rc}; log: {run.job / 'pytest.log'}"
+    return None
+
+
+def record(kernel: debian.Kernel, run: vm.GuestRun, cache: Path = debian.CACHE) -> Path:
+    """
+    Keep C{run}'s summary (kernel, release, counts, times, probes, failures)
+    as JSON in its job directory and as the kernel's latest under
+    C{CACHE/results}, which L{kernels.doctable} turns into docs/kernels.md's table.
+    """
+    summary = {
+        "kernel": kernel.name, "suite": kernel.suite, "package": run.package,
+        "release": run.release, "features": run.features,
+        "passed": run.count("passed"), "not_applicable": run.count("not applicable"),
+        "failed": run.count("failed"), "skipped": run.count("skipped"),
+        "failures": [o.nodeid for o in run.failed()],
+        "not_applicable_tests": [
+            o.nodeid for o in run.outcomes if o.outcome == "not applicable"
+        ],
+        "boot_seconds": run.boot_seconds, "test_seconds": run.test_seconds,
+        "wall_seconds": run.wall_seconds, "problem": problem(run),
+    }
+    text = json.dumps(summary, indent=1, sort_keys=True) + "\n"
+    (run.job / "summary.json").write_text(text)
+    results = cache / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    latest = results / f"{kernel.name}.json"
+    latest.write_text(text)
+    return latest

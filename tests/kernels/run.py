@@ -1,0 +1,43 @@
+"""
+Run the kernel matrix (or part of it) by hand:
+
+    .venv/bin/python tests/kernels/run.py [--kernel 6.1 ...] [-- PYTEST ARGS]
+
+Without pytest arguments it runs the kernel-sensitive subset
+(L{kernels.matrix.SUBSET}); it prints each kernel's counts and the guest
+tests that failed, and exits 1 if any failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kernels import matrix  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    parser.add_argument("--kernel", action="append", help="a series (5.10, 6.1, ...)")
+    parser.add_argument("pytest_args", nargs="*")
+    options = parser.parse_args()
+    failed = False
+    for kernel in matrix.selected(options.kernel):
+        run = matrix.run_kernel(kernel, options.pytest_args or None)
+        matrix.record(kernel, run)
+        print(run.summary(), flush=True)
+        print(f"  job directory: {run.job}", flush=True)
+        for outcome in run.failed():
+            print(f"  FAILED {outcome.nodeid}: {outcome.message[:200]}", flush=True)
+        problem = matrix.problem(run)
+        if problem:
+            print(f"  {problem}", flush=True)
+            failed = True
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""
+The matrix's own parts, on this machine: the apt sources it copies, the
+package it picks, the kernel-feature plugin's outcomes (a real pytest run
+in a subprocess, its junit read back the way the matrix reads a guest's).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from support import REPO, subprocess_env
+
+from kernels import debian, initramfs, vm
+
+DEB822 = """\
+Types: deb
+# http://snapshot.debian.org/archive/debian/20250520T000000Z
+URIs: http://mirror.example/debian
+Suites: bookworm bookworm-updates
+Components: main contrib
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+
+Types: deb
+URIs: http://mirror.example/debian-security
+Suites: bookworm-security
+Components: main
+"""
+
+
+def test_the_private_source_copies_the_machines_with_only_the_suite_changed(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "sources.list.d").mkdir()
+    (tmp_path / "sources.list.d" / "debian.sources").write_text(DEB822)
+    source = debian.machine_source(tmp_path, codename="bookworm")
+    assert source.line("trixie-backports") == (
+        "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] "
+        "http://mirror.example/debian trixie-backports main contrib\n"
+    )
+
+
+def test_a_one_line_sources_list_is_read_too(tmp_path: Path) -> None:
+    (tmp_path / "sources.list").write_text(
+        "# comment\n"
+        "deb http://security.example/debian-security bookworm-security main\n"
+        "deb [arch=amd64 signed-by=/etc/k.gpg] http://mirror.example/debian bookworm main\n"
+    )
+    source = debian.machine_source(tmp_path, codename="bookworm")
+    assert source == debian.AptSource(("http://mirror.example/debian",), ("main",), "/etc/k.gpg")
+
+
+def test_no_source_for_the_machines_release_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "sources.list").write_text("deb http://m.example/debian bullseye main\n")
+    with pytest.raises(RuntimeError, match="bookworm"):
+        debian.machine_source(tmp_path, codename="bookworm")
+
+
+def test_the_standard_flavour_of_the_series_is_chosen() -> None:
+    names = [
+        "linux-image-6.16.3+deb13-amd64", "linux-image-6.16.12+deb13-amd64",
+        "linux-image-6.16.12+deb13-cloud-amd64", "linux-image-6.16.12+deb13-rt-amd64",
+        "linux-image-6.17.13+deb13-amd64", "linux-image-6.16.12+deb13-amd64-dbg",
+        "linux-image-6.16.12+deb13-amd64-unsigned",
+    ]
+    assert debian.standard_flavour("6.16", names) == "linux-image-6.16.12+deb13-amd64"
+    assert debian.standard_flavour("5.10", ["linux-image-5.10.0-32-amd64-unsigned",
+                                            "linux-image-5.10.0-30-amd64-unsigned"]) == (
+        "linux-image-5.10.0-32-amd64-unsigned"
+    )
+    assert debian.standard_flavour("6.1", ["linux-image-6.12.95+deb12-amd64"]) is None
+
+
+def test_module_dependencies_come_from_modinfo() -> None:
+    image = b"\x7fELF...\0license=GPL\0depends=netfs,9pnet\0intree=Y\0"
+    assert initramfs._depends(image) == ["netfs", "9pnet"]
+    assert initramfs._depends(b"\0depends=\0name=virtio\0") == []
+
+
+def test_the_initramfs_is_a_newc_archive() -> None:
+    archive = initramfs._newc([("init", 0o100755, b"#!/bin/sh\n", 0)])
+    assert archive.startswith(b"070701")
+    assert b"init\0" in archive and b"TRAILER!!!\0" in archive
+    assert len(archive) % 4 == 0
+
+
+PLUGIN_TESTS = '''
+import kernelfeatures, pytest
+kernelfeatures.PROBES["ABSENT_HERE"] = lambda: (False, "test probe: absent")
+kernelfeatures.PROBES["PRESENT_HERE"] = lambda: (True, "test probe: present")
+
+def broken():
+    raise kernelfeatures.ProbeError("EIO: the kernel said something else")
+kernelfeatures.PROBES["BROKEN"] = broken
+
+@pytest.mark.kernel_feature("ABSENT_HERE")
+def test_needs_absent():
+    raise AssertionError("never runs")
+
+@pytest.mark.kernel_feature("PRESENT_HERE")
+def test_needs_present():
+    pass
+
+@pytest.mark.kernel_feature("PRESENT_HERE")
+def test_fakes_not_applicable():
+    pytest.skip("not applicable: PRESENT_HERE absent on a kernel it is present on")
+
+@pytest.mark.kernel_feature("BROKEN")
+def test_probe_error():
+    pass
+'''
+
+
+def test_absent_feature_is_not_applicable_and_only_the_probe_may_say_so(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "test_plugin_cases.py").write_text(PLUGIN_TESTS)
+    junit = tmp_path / "junit.xml"
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "kernelfeatures", "-p", "no:cacheprovider",
+         f"--rootdir={tmp_path}", f"--junitxml={junit}", str(tmp_path)],
+        env=subprocess_env(
+            PYTHONPATH=f"{REPO}:{REPO / 'tests'}", HOSTPID_REQUIRE_PRIVILEGED="1"
+        ),
+        capture_output=True, text=True, cwd=tmp_path, timeout=120,
+    )
+    assert "1 not applicable" in result.stdout, result.stdout
+    assert "not applicable: ABSENT_HERE absent on " in result.stdout
+    outcomes = {o.nodeid.rsplit("::", 1)[1]: o.outcome for o in vm.parse_junit(junit)}
+    assert outcomes == {
+        "test_needs_absent": "not applicable",
+        "test_needs_present": "passed",
+        "test_fakes_not_applicable": "failed",
+        "test_probe_error": "failed",
+    }, result.stdout
+    assert "only the probe may declare a test not applicable" in result.stdout
+    assert "probing kernel feature BROKEN failed: EIO" in result.stdout
+
+
+def test_the_docs_table_is_made_from_the_recorded_probes(tmp_path: Path) -> None:
+    from kernels import doctable
+
+    (tmp_path / "results").mkdir()
+    features = {
+        "SO_PASSRIGHTS": {"present": False, "detail": "setsockopt: ENOPROTOOPT"},
+        "SO_PEERPIDFD": {"present": True, "detail": "getsockopt returns a pidfd"},
+        "SO_PEERPIDFD_REAPED": {"present": False, "detail": "getsockopt: EINVAL"},
+        "UNIX_OOB": {"present": True, "detail": "send MSG_OOB accepted"},
+        "pidfd_open": {"present": True, "detail": ""},
+        "pidfd_send_signal": {"present": True, "detail": ""},
+        "PIDFD_GET_INFO": {"present": False, "detail": "ioctl: ENOTTY"},
+    }
+    summary = {
+        "release": "6.12.95+deb12-amd64", "package": "linux-image-6.12.95+deb12-amd64",
+        "features": features, "passed": 60, "not_applicable": 5, "failed": 1,
+        "boot_seconds": 6.04, "test_seconds": 301.2, "problem": None,
+    }
+    (tmp_path / "results" / "6.12-bookworm-backports.json").write_text(json.dumps(summary))
+    document = tmp_path / "kernels.md"
+    document.write_text(f"before\n{doctable.BEGIN}\nstale\n{doctable.END}\nafter\n")
+    doctable.write(document, tmp_path)
+    text = document.read_text()
+    assert "stale" not in text and text.startswith("before\n") and text.endswith("after\n")
+    (row,) = [line for line in text.splitlines() if line.startswith("| 6.12.95")]
+    assert row == (
+        "| 6.12.95+deb12-amd64 (bookworm-backports, `linux-image-6.12.95+deb12-amd64`) "
+        "| `received` | `SO_PEERPIDFD` | no (getsockopt: EINVAL) | yes | yes/yes "
+        "| no (ioctl: ENOTTY) | 60 passed, 5 not applicable, 1 failed; boot 6.0 s, tests 301 s |"
+    )
+    assert "| 5.10 (bullseye) | not run |" in text
+    features["SO_PEERPIDFD"] = {"present": False, "detail": "getsockopt: ENOPROTOOPT"}
+    (tmp_path / "results" / "6.12-bookworm-backports.json").write_text(json.dumps(summary))
+    assert "| `received` | `pidfd_open` and start time |" in doctable.table(tmp_path)

@@ -1,0 +1,227 @@
+"""
+Boot one Debian kernel under QEMU and run one pytest job inside it.
+
+The guest's root is this machine's C{/}, shared read-only over 9p
+(C{-virtfs ... readonly=on}) and covered by a tmpfs overlay in the guest,
+so the guest runs this worktree's own C{.venv} and tools and writes only
+to its own memory; results come back over a second, writable 9p share
+(the job directory).  KVM on this machine cannot boot a stock kernel, so
+the CPU is emulated (TCG): 8-13x slower, which the tests inside absorb
+through C{HOSTPID_TIME_SCALE} (see L{support.time_scale}).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import time
+import xml.etree.ElementTree as ElementTree
+from collections.abc import Sequence
+from pathlib import Path
+
+import attrs
+
+from kernels import initramfs
+from kernels.debian import CACHE, UnpackedKernel
+
+#: The emulated machine (issue 18: what boots a stock Debian kernel here).
+QEMU_MACHINE = ("-accel", "tcg,thread=multi", "-cpu", "max", "-smp", "2", "-m", "2G")
+
+#: How much slower than this machine the emulated one runs the tests'
+#: timing bounds (measured 8-13x); the guest gets it as HOSTPID_TIME_SCALE.
+TIME_SCALE = 12
+
+#: Every VM is killed after this many seconds, whatever it is doing.
+DEFAULT_TIMEOUT = 900.0
+
+#: From QEMU's start to the guest's second stage (measured ~5 s).
+BOOT_BOUND = 20.0
+
+#: The guest's PID 1 after switch_root, seen through the overlay.
+STAGE2 = Path(__file__).resolve().with_name("guest-init.sh")
+
+#: What must not change about the host's lock parent (same as tests/conftest.py).
+HOST_LOCK_PARENT = "/tmp/vgpulock"
+
+
+def host_lock_parent_state() -> tuple[int, ...] | None:
+    try:
+        st = os.lstat(HOST_LOCK_PARENT)
+    except FileNotFoundError:
+        return None
+    return (st.st_mode, st.st_uid, st.st_gid, st.st_dev, st.st_ino, st.st_mtime_ns)
+
+
+@attrs.frozen
+class TestOutcome:
+    """One guest test's result, from its junit record."""
+
+    nodeid: str
+    outcome: str  # "passed", "failed", "not applicable", "skipped"
+    message: str = ""
+
+
+@attrs.frozen
+class GuestRun:
+    """What one VM run produced."""
+
+    package: str
+    release: str
+    returncode: int | None
+    pytest_rc: int | None
+    features: dict[str, dict[str, object]]
+    outcomes: tuple[TestOutcome, ...]
+    boot_seconds: float | None
+    test_seconds: float | None
+    wall_seconds: float
+    job: Path
+    #: Set when the host's /tmp/vgpulock differed after the run (before -> after).
+    host_lock_parent_changed: str | None = None
+
+    def count(self, outcome: str) -> int:
+        return sum(1 for result in self.outcomes if result.outcome == outcome)
+
+    def failed(self) -> list[TestOutcome]:
+        return [result for result in self.outcomes if result.outcome == "failed"]
+
+    def summary(self) -> str:
+        boot = "?" if self.boot_seconds is None else f"{self.boot_seconds:.1f}"
+        tests = "?" if self.test_seconds is None else f"{self.test_seconds:.0f}"
+        return (
+            f"{self.release}: {self.count('passed')} passed, "
+            f"{self.count('not applicable')} not applicable, {self.count('failed')} failed, "
+            f"{self.count('skipped')} skipped; boot {boot} s, tests {tests} s, "
+            f"wall {self.wall_seconds:.0f} s"
+        )
+
+    def console(self) -> str:
+        return _read(self.job / "console.log")
+
+    def pytest_log(self) -> str:
+        return _read(self.job / "pytest.log")
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def _uptime(path: Path) -> float | None:
+    try:
+        return float(path.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def parse_junit(path: Path) -> tuple[TestOutcome, ...]:
+    """
+    Outcomes from pytest's junit XML.  A skip whose message begins
+    C{not applicable:} is the kernel-feature plugin's outcome
+    (tests/kernelfeatures.py), counted apart from a plain skip.
+    """
+    try:
+        tree = ElementTree.parse(path)
+    except (FileNotFoundError, ElementTree.ParseError):
+        return ()
+    outcomes = []
+    for case in tree.iter("testcase"):
+        nodeid = f"{case.get('classname', '')}::{case.get('name', '')}"
+        outcome, message = "passed", ""
+        for child in case:
+            if child.tag in ("failure", "error"):
+                outcome, message = "failed", child.get("message", "")
+                break
+            if child.tag == "skipped":
+                message = child.get("message", "")
+                applicable = "not applicable:" not in message
+                outcome = "skipped" if applicable else "not applicable"
+        outcomes.append(TestOutcome(nodeid, outcome, message))
+    return tuple(outcomes)
+
+
+def qemu_argv(unpacked: UnpackedKernel, initrd: Path, job: Path) -> list[str]:
+    return [
+        "nice", "-n", "10", "qemu-system-x86_64", *QEMU_MACHINE,
+        "-nodefaults", "-no-reboot", "-display", "none",
+        "-serial", f"file:{job / 'console.log'}",
+        "-device", "virtio-rng-pci",
+        "-kernel", str(unpacked.image), "-initrd", str(initrd),
+        "-append", f"console=ttyS0 panic=-1 loglevel=4 hostpid_stage2={STAGE2}",
+        "-virtfs",
+        "local,path=/,mount_tag=hostroot,security_model=passthrough,readonly=on,multidevs=remap",
+        "-virtfs", f"local,path={job},mount_tag=job,security_model=passthrough",
+    ]
+
+
+def run(
+    unpacked: UnpackedKernel,
+    pytest_args: Sequence[str],
+    worktree: Path,
+    timeout: float = DEFAULT_TIMEOUT,
+    cache: Path = CACHE,
+) -> GuestRun:
+    """
+    Boot C{unpacked}, run C{pytest pytest_args} in C{worktree} as root inside,
+    and collect the results.  The VM is killed at C{timeout}; the guest's
+    own pytest is stopped a little before, so that its results still come back.
+    """
+    initrd = cache / "initramfs" / f"{unpacked.root.name}.cpio"
+    if not initrd.is_file() or initrd.stat().st_mtime < Path(initramfs.__file__).stat().st_mtime:
+        initramfs.build(unpacked, initrd)
+    runs = cache / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    job = runs / f"{unpacked.release}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    shutil.rmtree(job, ignore_errors=True)
+    job.mkdir()
+    python = worktree / ".venv" / "bin" / "python"
+    (job / "job.env").write_text(
+        f"WORKTREE={shlex.quote(str(worktree))}\n"
+        f"PYTHON={shlex.quote(str(python))}\n"
+        f"PYTEST_ARGS={shlex.quote(shlex.join(pytest_args))}\n"
+        f"TIME_SCALE={TIME_SCALE}\n"
+        f"GUEST_TIMEOUT={max(60, int(timeout) - 60)}\n"
+    )
+    lock_parent_before = host_lock_parent_state()
+    started = time.monotonic()
+    try:
+        result = subprocess.run(
+            qemu_argv(unpacked, initrd, job), stdin=subprocess.DEVNULL,
+            capture_output=True, timeout=timeout, check=False,
+        )
+        returncode: int | None = result.returncode
+        (job / "qemu.log").write_bytes(result.stdout + result.stderr)
+    except subprocess.TimeoutExpired:
+        returncode = None
+    wall = time.monotonic() - started
+    lock_parent_after = host_lock_parent_state()
+    booted, began, ended = (
+        _uptime(job / name) for name in ("booted-at", "tests-started-at", "tests-ended-at")
+    )
+    try:
+        features = json.loads((job / "features.json").read_text())
+    except (FileNotFoundError, ValueError):
+        features = {}
+    try:
+        pytest_rc: int | None = int((job / "pytest.rc").read_text())
+    except (FileNotFoundError, ValueError):
+        pytest_rc = None
+    return GuestRun(
+        package=unpacked.package,
+        release=_read(job / "uname").strip() or unpacked.release,
+        returncode=returncode,
+        pytest_rc=pytest_rc,
+        features=features,
+        outcomes=parse_junit(job / "junit.xml"),
+        boot_seconds=booted,
+        test_seconds=None if began is None or ended is None else ended - began,
+        wall_seconds=wall,
+        job=job,
+        host_lock_parent_changed=None
+        if lock_parent_after == lock_parent_before
+        else f"{lock_parent_before} -> {lock_parent_after}",
+    )
