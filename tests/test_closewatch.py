@@ -18,7 +18,7 @@ from attackers import LINGERING_SOCKET
 from support import wait_for
 
 from hostpid.broker.closewatch import CloseWatch, default_watch
-from hostpid.broker.descriptors import BackgroundCloser
+from hostpid.broker.descriptors import BackgroundCloser, PassedDescriptors
 
 pytestmark = pytest.mark.kernel
 
@@ -114,4 +114,27 @@ def test_a_close_that_ignores_interrupts_is_reported_and_a_thread_replaces_it(
     wait_for(lambda: closer.closed == 2, "the stuck close to return once the peer reset")
     watch.look()
     assert watch.stuck == 0
+    peer.close()
+
+
+def test_a_connection_closed_at_its_deadline_with_a_lingering_socket_queued(attacker) -> None:
+    """
+    The matrix's finding (5.10, before the fix): a connection that reaches
+    its deadline with a message still unread for lack of room is handed to
+    the closer whole, and closing it drops a queued lingering socket's last
+    reference in the closer's thread.  That close is interrupted too.
+    """
+    watch = default_watch()
+    assert watch.install(), watch.reason
+    before = watch.interrupted
+    fd, peer = nested(attacker)
+    server, client = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    client.sendmsg([b"HPID"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+    os.close(fd)  # the queued message holds the outer socket's last reference
+    receiver = PassedDescriptors(BackgroundCloser(threads=1), descriptorLimit=64, reserved=0)
+    assert not receiver.hasRoom()
+    assert receiver.release(server) is False, "handed over whole, undrained"
+    wait_for(lambda: receiver.closer.closed == 1, "the interrupted close to return", timeout=10)
+    assert watch.interrupted > before
+    client.close()
     peer.close()

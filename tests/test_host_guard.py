@@ -6,6 +6,7 @@ real pytest, with the guard pointed at a scratch lock parent.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -69,6 +70,10 @@ def test_the_guard_names_the_test_that_changed_the_lock_parent(tmp_path: Path) -
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
          "--rootdir", str(suite), "-c", "/dev/null", str(suite)],
         capture_output=True, text=True, timeout=120, cwd=suite,
+        # The conftest loads the suite's own plugins (kernelfeatures):
+        # importable from this tests directory, wherever the checkout is.
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(
+            p for p in (str(CONFTEST.parent), os.environ.get("PYTHONPATH", "")) if p)},
     )
     out = result.stdout
     assert result.returncode == 1, out

@@ -20,7 +20,9 @@ C{--tmpdir}; no network; the ulimits this machine needs.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
+import stat
 import subprocess
 import time
 import uuid
@@ -201,7 +203,31 @@ class RootlessPodman:
                   for inside, host, read_only in mounts]
         env = {"PYTHONPATH": ":".join(self.python.pythonpath), "PYTHONDONTWRITEBYTECODE": "1",
                "HOME": "/", **envs}
+        # A bind source UID 1000 cannot reach (a checkout in a 0700 temporary
+        # folder, a Python under /root) is bound, in a private mount
+        # namespace of this run alone, to a stage path it can reach: the
+        # rootless podman has no capability to pass the folders above it.
+        staged: list[tuple[str, str]] = []
+        for index, bind in enumerate(binds):
+            source, rest = bind.split(":", 1)
+            if not _reachable_by_others(source):
+                stage = self.workdir / "stage" / str(index)
+                if os.path.isdir(source):
+                    stage.mkdir(parents=True, exist_ok=True)
+                else:
+                    stage.parent.mkdir(parents=True, exist_ok=True)
+                    stage.touch()
+                staged.append((source, str(stage)))
+                binds[index] = f"{stage}:{rest}"
+        prefix: list[str] = []
+        if staged:
+            mounts_sh = " && ".join(
+                f"mount --bind {shlex.quote(source)} {shlex.quote(stage)}"
+                for source, stage in staged)
+            prefix = ["unshare", "--mount", "--propagation", "private",
+                      "sh", "-c", f'{mounts_sh} && exec "$@"', "stage"]
         argv = [
+            *prefix,
             "setpriv", f"--reuid={self.UID}", f"--regid={self.UID}", "--clear-groups",
             "env", "-i", f"HOME={self.home}", f"XDG_RUNTIME_DIR={self.runtime_dir}",
             "PATH=/usr/bin:/usr/sbin:/bin",
@@ -227,3 +253,19 @@ class RootlessPodman:
         print(f"\n[podman rootless] {name}: exit={run.exit_code} host_pid={host_pid} "
               f"printed={run.printed_pid()} seconds={seconds:.3f} stderr={stderr.strip()!r}")
         return run
+
+
+def _reachable_by_others(path: str) -> bool:
+    """Whether a user other than the owner can reach C{path} (every folder above it searchable)."""
+    current = os.path.realpath(path)
+    while True:
+        try:
+            mode = os.stat(current).st_mode
+        except OSError:
+            return False
+        if stat.S_ISDIR(mode) and not mode & stat.S_IXOTH:
+            return False
+        parent = os.path.dirname(current)
+        if parent == current:
+            return True
+        current = parent

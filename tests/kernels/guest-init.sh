@@ -23,12 +23,20 @@ mkdir -p /dev/pts /dev/shm
 mount -t devpts -o gid=5,mode=620,ptmxmode=000 devpts /dev/pts
 mount -t tmpfs -o mode=1777 tmpfs /dev/shm
 mount -t cgroup2 cgroup2 /sys/fs/cgroup
+. "$JOB/job.env"
+# A checkout under /tmp or /run (CI clones into a temporary folder) would be
+# hidden by the guest's own tmpfs there: keep it reachable at the same path.
+mkdir -p /mnt/hostpid-worktree
+mount --bind "$WORKTREE" /mnt/hostpid-worktree
 mount -t tmpfs -o mode=1777 tmpfs /tmp
 mount -t tmpfs -o mode=0755 tmpfs /run
+if [ ! -d "$WORKTREE/tests" ]; then
+    mkdir -p "$WORKTREE"
+    mount --bind /mnt/hostpid-worktree "$WORKTREE"
+fi
 ip link set lo up
 cut -d' ' -f1 /proc/uptime > "$JOB/booted-at"
 
-. "$JOB/job.env"
 prlimit --pid $$ --nofile=1024:524288
 uname -r > "$JOB/uname"
 # The host's /tmp/vgpulock as the guest sees it: through the read-only lower
