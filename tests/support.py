@@ -8,6 +8,7 @@ Waits are bounded polls on a condition, never a bare sleep.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -290,6 +291,39 @@ def ask_pid(path: Path | str, timeout: float = CLIENT_TIMEOUT) -> int | None:
     if response.status != wire.Status.OK:
         return None
     return response.pid
+
+
+@contextmanager
+def attacker_process(source: str, *args: str) -> Iterator[tuple[subprocess.Popen[str], object]]:
+    """
+    A real UID 1000 process running C{python -c source args}: yields it and
+    the JSON line it prints first (what it did), and kills it afterwards.
+    """
+    process = subprocess.Popen(
+        as_user_argv(1000, [sys.executable, "-c", source, *args]),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert process.stdout is not None
+        yield process, json.loads(process.stdout.readline())
+    finally:
+        process.kill()
+        process.wait()
+
+
+def each_answered(path: Path | str, count: int, bound: float) -> list[float]:
+    """
+    C{count} real clients, one after another, each answered with this
+    process's PID within C{bound} seconds; their waits.
+    """
+    waits: list[float] = []
+    for _ in range(count):
+        started = time.monotonic()
+        pid = ask_pid(path, timeout=bound)
+        waits.append(round(time.monotonic() - started, 3))
+        assert pid == os.getpid(), f"a real client was not answered: {waits}"
+    assert max(waits) < bound
+    return waits
 
 
 def in_child(work, uid: int | None = None) -> tuple[int, int]:

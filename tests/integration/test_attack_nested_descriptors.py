@@ -25,16 +25,18 @@ test_attack_passed_descriptors.py).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 from attackers import NESTED_LINGERING_SOCKETS
-from support import as_user_argv, ask_pid, require_root, running_broker, wait_for
+from support import (
+    attacker_process,
+    each_answered,
+    require_root,
+    running_broker,
+    scaled,
+    wait_for,
+)
 
 from hostpid.broker.service import RECEIVE_DESCRIPTORS_ENV
 
@@ -43,7 +45,7 @@ pytestmark = pytest.mark.privileged
 #: As long as a socket can linger: only an interrupted close ends sooner.
 LINGER = 2**31 - 1
 #: A real client's bound, generous for a shared machine.
-CLIENT_BOUND = 5.0
+CLIENT_BOUND = scaled(5.0)
 
 #: argv: socket path, how many connections, linger seconds, nesting.  Each
 #: connection passes one outer Unix socket with its request.  Prints the
@@ -75,25 +77,15 @@ sys.stdin.read()
 def test_nested_lingering_sockets_do_not_stop_reads(public_tmp: Path, how: str) -> None:
     require_root()
     with running_broker(public_tmp / "broker", env={RECEIVE_DESCRIPTORS_ENV: "1"}) as broker:
-        attacker = subprocess.Popen(
-            as_user_argv(1000, [sys.executable, "-c", ATTACKER, str(broker.socket_path),
-                                "4", str(LINGER), how]),
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )
-        try:
-            assert attacker.stdout is not None
-            results = json.loads(attacker.stdout.readline())
+        with attacker_process(ATTACKER, str(broker.socket_path), "4", str(LINGER), how) as (
+            _, results
+        ):
             assert results == ["sent"] * 4
             wait_for(lambda: "descriptors transactions so far: 4" in broker.output(),
                      "the four passed sockets counted as outcome descriptors")
             # Then clients keep coming, as a node's workloads do, each
             # bounded; before the fix none was answered from here on.
-            waits = []
-            for _ in range(20):
-                started = time.monotonic()
-                pid = ask_pid(broker.socket_path, timeout=CLIENT_BOUND)
-                waits.append(round(time.monotonic() - started, 3))
-                assert pid == os.getpid(), f"a real client was not answered: {waits}"
+            each_answered(broker.socket_path, 20, CLIENT_BOUND)
             if how != "garbage":
                 # The outer sockets' closes were interrupted, not left to
                 # linger.  (Garbage is freed by the kernel's collector, which
@@ -101,7 +93,3 @@ def test_nested_lingering_sockets_do_not_stop_reads(public_tmp: Path, how: str) 
                 # thread waits at all.)
                 wait_for(lambda: "closes interrupted" in broker.output(),
                          "the broker to say it interrupted lingering closes")
-        finally:
-            attacker.kill()
-            attacker.wait()
-        assert max(waits) < CLIENT_BOUND

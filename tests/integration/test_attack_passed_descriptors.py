@@ -21,11 +21,8 @@ from __future__ import annotations
 
 import array
 import errno
-import json
 import os
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -33,9 +30,10 @@ import pytest
 from attackers import LINGERING_SOCKET
 from kernelfeatures import MODES, kernel_feature
 from support import (
-    as_user_argv,
     ask_pid,
+    attacker_process,
     connect,
+    each_answered,
     require_root,
     running_broker,
     scaled,
@@ -121,24 +119,10 @@ def test_passed_lingering_socket_does_not_freeze_the_broker(
 ) -> None:
     require_root()
     with running_broker(public_tmp / "broker", env=_broker_env(mode)) as broker:
-        attacker = subprocess.Popen(
-            as_user_argv(1000, [sys.executable, "-c", ATTACKER, str(broker.socket_path),
-                                "3", str(LINGER), how]),
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )
-        try:
-            assert attacker.stdout is not None
-            results = json.loads(attacker.stdout.readline())
-            waits = []
-            for _ in range(20):
-                started = time.monotonic()
-                pid = ask_pid(broker.socket_path, timeout=CLIENT_BOUND)
-                waits.append(time.monotonic() - started)
-                assert pid == os.getpid(), f"a real client was not answered: {waits}"
-        finally:
-            attacker.kill()
-            attacker.wait()
-        assert max(waits) < CLIENT_BOUND
+        with attacker_process(ATTACKER, str(broker.socket_path), "3", str(LINGER), how) as (
+            _, results
+        ):
+            each_answered(broker.socket_path, 20, CLIENT_BOUND)
         if mode == "refused":
             assert results == ["EPERM"] * 3, "the kernel refuses SCM_RIGHTS to the broker"
             assert "descriptor passing refused by the kernel" in broker.output()
