@@ -73,6 +73,7 @@ def test_peer_that_exited_is_not_vouched_for(tmp_path: Path, signalCheck: bool) 
             identifier.host_pid(connection)
 
 
+@kernel_feature("SO_PEERPIDFD")
 def test_a_live_peer_the_broker_may_not_signal_is_still_vouched_for(pair) -> None:
     """
     C{pidfd_send_signal(pidfd, 0)} answers C{EPERM} for a process the caller
