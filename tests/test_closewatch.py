@@ -10,12 +10,14 @@ import array
 import os
 import socket
 import struct
+import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 from attackers import LINGERING_SOCKET
 from support import wait_for
+from twisted.logger import globalLogPublisher
 
 from hostpid.broker.closewatch import CloseWatch, default_watch
 from hostpid.broker.descriptors import BackgroundCloser, PassedDescriptors
@@ -138,3 +140,67 @@ def test_a_connection_closed_at_its_deadline_with_a_lingering_socket_queued(atta
     assert watch.interrupted > before
     client.close()
     peer.close()
+
+
+class _EndOfTest(BaseException):
+    """Ends a watchdog loop run by a test (the loop survives any C{Exception})."""
+
+
+def test_the_watchdog_outlives_a_look_that_fails() -> None:
+    """
+    A look that raises (a log observer that fails, a replacement thread
+    that cannot start) does not end the watchdog: it looks again.  Before
+    the fix the thread died with its first exception, and every later
+    lingering close went unbounded, silently.
+    """
+
+    class FailingOnce(CloseWatch):
+        looks = 0
+
+        def look(self) -> bool:
+            self.looks += 1
+            if self.looks == 1:
+                raise RuntimeError("a log observer that raises")
+            if self.looks == 3:
+                raise _EndOfTest()
+            return False
+
+    watch = FailingOnce(pollBusy=0.001, pollIdle=0.001)
+    ended: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            watch._run()
+        except BaseException as e:  # noqa: BLE001 - what ended the loop is the finding
+            ended.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "the loop should have reached the third look"
+    assert watch.looks == 3
+    assert len(ended) == 1 and isinstance(ended[0], _EndOfTest), ended
+
+
+def test_a_log_line_for_a_reactor_that_takes_no_calls_is_written_here() -> None:
+    """
+    The watch's reactor is the last one given to L{CloseWatch.install};
+    one that cannot take calls from threads (a test's memory reactor, a
+    reactor being torn down) gets the line written from the watchdog's own
+    thread instead of an exception that would end the watchdog.
+    """
+    seen: list[dict[str, object]] = []
+
+    class Refusing:
+        def callFromThread(self, *args: object, **kwargs: object) -> None:
+            raise RuntimeError("reactor stopped")
+
+    for reactor in (object(), Refusing()):
+        watch = CloseWatch()
+        watch._reactor = reactor
+        globalLogPublisher.addObserver(seen.append)
+        try:
+            watch._emit("hostpid-broker: {what}", what="said")
+        finally:
+            globalLogPublisher.removeObserver(seen.append)
+    assert [event.get("what") for event in seen] == ["said", "said"]

@@ -140,7 +140,7 @@ def test_inline_out_of_band_only_where_the_kernel_has_it(pair, outOfBand: bool) 
     server, client = pair
     receiver = PassedDescriptors(BackgroundCloser(), outOfBand=outOfBand)
     client.sendall(wire.GET_HOST_PID_REQUEST)
-    assert receiver.receiveFirst(server, 256) == wire.GET_HOST_PID_REQUEST
+    assert receiver.readFirst(server, 256, 0) == wire.GET_HOST_PID_REQUEST
     assert server.getsockopt(socket.SOL_SOCKET, socket.SO_OOBINLINE) == int(outOfBand)
     other, _peer = socket.socketpair()
     with other, _peer:
@@ -267,9 +267,9 @@ def test_without_room_the_fast_path_read_answers_a_plain_request(pair) -> None:
     server, client = pair
     receiver = PassedDescriptors(BackgroundCloser(), descriptorLimit=64, reserved=0)
     client.sendall(wire.GET_HOST_PID_REQUEST)
-    assert receiver.readFirst(server, 256) == wire.GET_HOST_PID_REQUEST
+    assert receiver.readFirst(server, 256, 0) == wire.GET_HOST_PID_REQUEST
     client.shutdown(socket.SHUT_WR)
-    assert receiver.readFirst(server, 256) == b""
+    assert receiver.readFirst(server, 256, 0) == b""
     assert receiver.withoutRoom == 2
 
 
@@ -299,7 +299,7 @@ def test_a_peek_never_drops_a_queued_descriptor(pair) -> None:
     os.close(read)
 
 
-def test_receive_first_reads_inline_and_refuses_descriptors(pair) -> None:
+def test_read_first_reads_inline_and_refuses_descriptors(pair) -> None:
     """
     The fast path's read: out-of-band inline where the kernel has Unix
     out-of-band data (not 5.10), C{None} for a message with descriptors.
@@ -307,15 +307,15 @@ def test_receive_first_reads_inline_and_refuses_descriptors(pair) -> None:
     server, client = pair
     receiver = PassedDescriptors(BackgroundCloser())
     client.sendall(wire.GET_HOST_PID_REQUEST)
-    assert receiver.receiveFirst(server, 256) == wire.GET_HOST_PID_REQUEST
+    assert receiver.readFirst(server, 256, 0) == wire.GET_HOST_PID_REQUEST
     inline = server.getsockopt(socket.SOL_SOCKET, socket.SO_OOBINLINE)
     assert inline == int(has("UNIX_OOB"))
     read, write = os.pipe()
     client.sendmsg([b"x"], rights(read))
     os.close(read)
-    assert receiver.receiveFirst(server, 256) is None
+    assert receiver.readFirst(server, 256, 0) is None
     assert receiver.received == 1
     with pytest.raises(BlockingIOError):
-        receiver.receiveFirst(server, 256)
+        receiver.readFirst(server, 256, 0)
     wait_for(lambda: receiver.closer.closed == 1, "the closer to close the pipe")
     os.close(write)

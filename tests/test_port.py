@@ -254,3 +254,23 @@ def test_a_saturated_closer_pauses_accepting_until_it_drains(clock, listener) ->
     [client] = listener.clients
     client.settimeout(WAIT_SECONDS)
     assert client.recv(64) == wire.encode_ok(os.getpid()), "answered once the closer drained"
+
+
+def test_a_closed_port_leaves_no_guard_in_the_watch(clock, listener) -> None:
+    """
+    Mode received: the reactor thread's guard is forgotten by the
+    process-wide watch once the port is closed and its transactions are
+    over (before, every listener started in a process left one behind).
+    """
+    port, _ = make_port(clock, listener, [])
+    passed = PassedDescriptors(BackgroundCloser(limit=SCM_MAX_FD), descriptorLimit=1 << 16)
+    port.factory.receiveDescriptors(passed)
+    watch = passed.closer.watch
+    assert passed.guard in watch._guards
+    port.factory.transactionStarted()  # one connection still in flight
+    port.socket = socket.socket(socket.AF_UNIX)  # something closable for the base class
+    port.fileno = port.socket.fileno  # type: ignore[method-assign]
+    port.connectionLost(Failure(Exception("stopped")))
+    assert passed.guard in watch._guards, "a connection in flight may still be closed"
+    port.factory.transactionEnded()
+    assert passed.guard not in watch._guards

@@ -221,17 +221,32 @@ class CloseWatch:
             )
 
     def _emit(self, format: str, **fields: object) -> None:
-        reactor = self._reactor
-        if reactor is None:
+        """Log from the reactor's thread if there is one that takes calls, else here."""
+        callFromThread = getattr(self._reactor, "callFromThread", None)
+        if callFromThread is None:
             self.log.warn(format, **fields)
-        else:
-            reactor.callFromThread(self.log.warn, format, **fields)
+            return
+        try:
+            callFromThread(self.log.warn, format, **fields)
+        except Exception:
+            self.log.warn(format, **fields)
 
     def _run(self) -> None:
+        """
+        The watchdog's loop.  It must outlive anything a look runs into (a
+        replacement thread that cannot start, a log observer that raises):
+        a watchdog that died would leave every later close unbounded, and
+        nothing would say so.
+        """
         delay = self.pollIdle
         while True:
             time.sleep(delay)
-            delay = self.pollBusy if self.look() else self.pollIdle
+            try:
+                busy = self.look()
+            except Exception:
+                self.log.failure("hostpid-broker: the close watchdog's look failed; looking on")
+                busy = True
+            delay = self.pollBusy if busy else self.pollIdle
 
 
 _default: CloseWatch | None = None

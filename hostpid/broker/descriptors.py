@@ -320,29 +320,55 @@ class PassedDescriptors:
         #: Where L{release}'s peek lands: no bytes object per connection.
         self._peekBuffer = bytearray(1)
         self._connections = connections
-        self.descriptorLimit = (
+        self._descriptorLimit = (
             _soft_descriptor_limit() if descriptorLimit is None else descriptorLimit
         )
-        self.reserved = _descriptors_open_now() + defaults.METRICS_MAX_CONNECTIONS \
+        self._reserved = _descriptors_open_now() + defaults.METRICS_MAX_CONNECTIONS \
             if reserved is None else reserved
+        #: L{hasRoom}'s two bounds, worked out once for L{readFirst}: the
+        #: closer's queue may hold at most this many, and the connections
+        #: plus what the closer holds at most that many.
+        self._closerRoom = self.closer.limit - SCM_MAX_FD
+        self._tableRoom = self._descriptorLimit - self._reserved - SCM_MAX_FD - ROOM_MARGIN
         watch = self.closer.watch
         if reactor is not None:
             watch.install(reactor)
         self.guard = watch.guard("the reactor thread")
 
-    def hasRoom(self) -> bool:
+    def stop(self) -> None:
+        """
+        No connection is left to read or close through this instance (its
+        listener is closed and its transactions are over): the process-wide
+        watch stops looking at L{guard}, so a broker started and stopped
+        many times in one process (a test suite, an embedding agent) leaves
+        no guard behind.
+        """
+        self.closer.watch.forget(self.guard)
+
+    @property
+    def descriptorLimit(self) -> int:
+        """The descriptor table's size, as read at construction."""
+        return self._descriptorLimit
+
+    @property
+    def reserved(self) -> int:
+        """Descriptors the broker keeps for itself, as counted at construction."""
+        return self._reserved
+
+    def hasRoom(self, connections: int | None = None) -> bool:
         """
         Whether a read may carry a full C{SCM_RIGHTS} message: the table has
         room for it (and L{ROOM_MARGIN}), and so has the closer's queue.
         Counters only: no system call.  Without room, reads go through
         L{receiveWithoutRoom}: slower, never stopped.
+
+        @param connections: the connections open now, if the caller knows;
+            by default, asked of the C{connections} given at construction.
         """
+        if connections is None:
+            connections = self._connections()
         pending = self.closer.pending
-        return (
-            self.closer.limit - pending >= SCM_MAX_FD
-            and self.descriptorLimit - self.reserved - self._connections() - pending
-            >= SCM_MAX_FD + ROOM_MARGIN
-        )
+        return pending <= self._closerRoom and connections + pending <= self._tableRoom
 
     def receiveWithoutRoom(self, sock: _socket.socket, size: int) -> tuple[bytes, bool]:
         """
@@ -374,19 +400,34 @@ class PassedDescriptors:
             return data, False
         return sock.recv(len(data), _DONTWAIT), False
 
-    def readFirst(self, sock: _socket.socket, size: int) -> bytes | None:
+    def readFirst(self, sock: _socket.socket, size: int, connections: int) -> bytes | None:
         """
-        The fast path's read of a connection just accepted: L{prepare}, then
-        L{receiveFirst} with room or L{receiveWithoutRoom} without.
+        The fast path's read of a connection just accepted, with
+        C{connections} open: L{hasRoom}, L{prepare} and L{receive} with
+        room, L{receiveWithoutRoom} without.  One method call for what is,
+        in mode I{received}, every transaction's read: the three are written
+        out here (the same bounds, the same system calls), since each Python
+        call on this path costs a noticeable share of the yardstick's whole
+        transaction.
 
         @return: the bytes read, or C{None} if the message carried (or, read
-            without room, has) descriptors.
+            without room, has) descriptors, or its ancillary data was truncated.
+        @raise OSError: as C{recvmsg} (C{BlockingIOError}: nothing waiting).
         """
-        if self.hasRoom():
-            return self.receiveFirst(sock, size)
-        self.prepare(sock)
-        data, carried = self.receiveWithoutRoom(sock, size)
-        return None if carried else data
+        pending = self.closer.pending
+        if pending > self._closerRoom or connections + pending > self._tableRoom:
+            self.prepare(sock)
+            data, carried = self.receiveWithoutRoom(sock, size)
+            return None if carried else data
+        if self.outOfBand:
+            sock.setsockopt(_SOL_SOCKET, _SO_OOBINLINE, 1)
+        data, ancillary, flags, _ = sock.recvmsg(size, ANCILLARY_SPACE, _RECV_FLAGS)
+        if ancillary:
+            self._dispose(ancillary)
+            return None
+        if flags & _MSG_CTRUNC:
+            return None
+        return data
 
     def prepare(self, sock: _socket.socket) -> None:
         """
@@ -397,25 +438,6 @@ class PassedDescriptors:
         """
         if self.outOfBand:
             sock.setsockopt(_SOL_SOCKET, _SO_OOBINLINE, 1)
-
-    def receiveFirst(self, sock: _socket.socket, size: int) -> bytes | None:
-        """
-        L{prepare} and L{receive} in one, for the fast path's read of a
-        connection just accepted: one method call, no tuple built.
-
-        @return: the bytes read, or C{None} if the message carried
-            descriptors (disposed of) or its ancillary data was truncated.
-        @raise OSError: as C{recvmsg} (C{BlockingIOError}: nothing waiting).
-        """
-        if self.outOfBand:
-            sock.setsockopt(_SOL_SOCKET, _SO_OOBINLINE, 1)
-        data, ancillary, flags, _ = sock.recvmsg(size, ANCILLARY_SPACE, _RECV_FLAGS)
-        if ancillary:
-            self._dispose(ancillary)
-            return None
-        if flags & _MSG_CTRUNC:
-            return None
-        return data
 
     def receive(self, sock: _socket.socket, size: int) -> tuple[bytes, bool]:
         """

@@ -351,6 +351,11 @@ class BrokerPort(unix.Port):
         if self._resume is not None and self._resume.active():
             self._resume.cancel()
         self._resume = None
+        passed = self.factory.passed
+        if passed is not None:
+            # Its guard watches the reactor's closes of connections: forgotten
+            # once the last of them (answered or still waiting) is over.
+            self.factory.whenIdle(passed.stop)
         self.removed = False
         if self.identity is not None:
             try:

@@ -321,7 +321,7 @@ class BrokerFactory(Factory):
         acceptClock = self.identifier.acceptClock
         accepted = acceptClock() if acceptClock is not None else 0
         try:
-            data = passed.readFirst(sock, _FAST_READ)
+            data = passed.readFirst(sock, _FAST_READ, self.active)
         except BlockingIOError:
             return b""
         except OSError:
