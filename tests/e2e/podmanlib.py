@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import signal
 import stat
 import subprocess
 import time
@@ -253,6 +254,42 @@ class RootlessPodman:
         print(f"\n[podman rootless] {name}: exit={run.exit_code} host_pid={host_pid} "
               f"printed={run.printed_pid()} seconds={seconds:.3f} stderr={stderr.strip()!r}")
         return run
+
+
+    def close(self) -> None:
+        """
+        End what rootless podman leaves behind: its pause process, which
+        holds the user namespace for later runs and outlives the run, the
+        test and the workdir.  Found by its C{XDG_RUNTIME_DIR} (ours alone),
+        since its pid file goes with the workdir.
+        """
+        mine = f"XDG_RUNTIME_DIR={self.runtime_dir}".encode()
+        left = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                if os.stat(f"/proc/{entry}").st_uid != self.UID:
+                    continue
+                with open(f"/proc/{entry}/environ", "rb") as environ:
+                    if mine not in environ.read().split(b"\0"):
+                        continue
+                os.kill(int(entry), signal.SIGKILL)
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            left.append(entry)
+        wait_for(lambda: not any(os.path.exists(f"/proc/{pid}/environ") and
+                                 _alive(pid) for pid in left),
+                 "rootless podman's pause process to exit", timeout=10)
+
+
+def _alive(pid: str) -> bool:
+    """Whether C{pid} still runs (a zombie, waiting for its reaper, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat_file:
+            return stat_file.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
 
 
 def _reachable_by_others(path: str) -> bool:

@@ -258,11 +258,14 @@ def test_user_namespace_is_refused(
 def test_rootless_podman_is_refused(workdir: Path, node: Node, c_client_dir: Path) -> None:
     podman = RootlessPodman(fresh(workdir, "p"))
     podman.extra_binds.append((str(c_client_dir), "/e2e/cclient"))
-    with running_broker(node.broker_dir):
-        mounts, envs, _ = allocate(node, "1")
-        run = podman.run("rootless podman, uid 1000",
-                         [(m.container_path, m.host_path, m.read_only) for m in mounts], envs,
-                         cell_script(podman.python.executable))
+    try:
+        with running_broker(node.broker_dir):
+            mounts, envs, _ = allocate(node, "1")
+            run = podman.run("rootless podman, uid 1000",
+                             [(m.container_path, m.host_path, m.read_only) for m in mounts],
+                             envs, cell_script(podman.python.executable))
+    finally:
+        podman.close()
     cell = Cell(run, "rootless podman")
     assert_user_namespace_refused(cell)
 
