@@ -311,11 +311,13 @@ def attacker_process(source: str, *args: str) -> Iterator[tuple[subprocess.Popen
         process.wait()
 
 
-#: The clients of L{each_answered}: argv socket path, count, bound.  Prints
-#: its PID and, per client, the PID answered (or null) and the wait.
+#: The clients of L{each_answered}: argv socket path, count, bound, and
+#: this folder (for L{ask_pid}).  Prints its PID and, per client, the PID
+#: answered (or null) and the wait.
 _CLIENTS = r"""
-import json, os, signal, socket, sys, time
-from hostpid import wire
+import json, os, signal, sys, time
+sys.path.insert(0, sys.argv[4])
+from support import ask_pid
 signal.signal(signal.SIGALRM, lambda *_: None)
 signal.siginterrupt(signal.SIGALRM, True)
 signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)
@@ -323,23 +325,7 @@ path, count, bound = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 results = []
 for _ in range(count):
     started = time.monotonic()
-    pid = None
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(bound)
-            sock.connect(path)
-            sock.sendall(wire.GET_HOST_PID_REQUEST)
-            reply = b""
-            while len(reply) < wire.RESPONSE_SIZE:
-                chunk = sock.recv(64)
-                if not chunk:
-                    break
-                reply += chunk
-        response = wire.parse_response(reply)
-        if response.status == wire.Status.OK:
-            pid = response.pid
-    except (OSError, ValueError):
-        pass
+    pid = ask_pid(path, timeout=bound)
     results.append((pid, round(time.monotonic() - started, 3)))
     if pid is None:
         break
@@ -360,7 +346,8 @@ def each_answered(path: Path | str, count: int, bound: float) -> list[float]:
     (with nothing to interrupt it) rather than the broker.
     """
     done = subprocess.run(
-        [sys.executable, "-c", _CLIENTS, os.fspath(path), str(count), str(bound)],
+        [sys.executable, "-c", _CLIENTS, os.fspath(path), str(count), str(bound),
+         str(Path(__file__).resolve().parent)],
         capture_output=True, text=True, env=subprocess_env(), timeout=count * bound + WAIT_SECONDS,
     )
     assert done.returncode == 0, f"clients exited {done.returncode}: {done.stderr}"

@@ -325,9 +325,9 @@ class PassedDescriptors:
         )
         self._reserved = _descriptors_open_now() + defaults.METRICS_MAX_CONNECTIONS \
             if reserved is None else reserved
-        #: L{hasRoom}'s two bounds, worked out once for L{readFirst}: the
-        #: closer's queue may hold at most this many, and the connections
-        #: plus what the closer holds at most that many.
+        #: L{hasRoom}'s two bounds, worked out once (it is asked on every
+        #: transaction): the closer's queue may hold at most this many, and
+        #: the connections plus what the closer holds at most that many.
         self._closerRoom = self.closer.limit - SCM_MAX_FD
         self._tableRoom = self._descriptorLimit - self._reserved - SCM_MAX_FD - ROOM_MARGIN
         watch = self.closer.watch
@@ -403,31 +403,20 @@ class PassedDescriptors:
     def readFirst(self, sock: _socket.socket, size: int, connections: int) -> bytes | None:
         """
         The fast path's read of a connection just accepted, with
-        C{connections} open: L{hasRoom}, L{prepare} and L{receive} with
-        room, L{receiveWithoutRoom} without.  One method call for what is,
-        in mode I{received}, every transaction's read: the three are written
-        out here (the same bounds, the same system calls), since each Python
-        call on this path costs a noticeable share of the yardstick's whole
-        transaction.
+        C{connections} open (the factory's count, passed in so that no
+        callback is asked on every transaction): L{prepare}, then L{receive}
+        with room or L{receiveWithoutRoom} without.
 
         @return: the bytes read, or C{None} if the message carried (or, read
             without room, has) descriptors, or its ancillary data was truncated.
         @raise OSError: as C{recvmsg} (C{BlockingIOError}: nothing waiting).
         """
-        pending = self.closer.pending
-        if pending > self._closerRoom or connections + pending > self._tableRoom:
-            self.prepare(sock)
+        self.prepare(sock)
+        if self.hasRoom(connections):
+            data, carried = self.receive(sock, size)
+        else:
             data, carried = self.receiveWithoutRoom(sock, size)
-            return None if carried else data
-        if self.outOfBand:
-            sock.setsockopt(_SOL_SOCKET, _SO_OOBINLINE, 1)
-        data, ancillary, flags, _ = sock.recvmsg(size, ANCILLARY_SPACE, _RECV_FLAGS)
-        if ancillary:
-            self._dispose(ancillary)
-            return None
-        if flags & _MSG_CTRUNC:
-            return None
-        return data
+        return None if carried else data
 
     def prepare(self, sock: _socket.socket) -> None:
         """

@@ -255,7 +255,6 @@ class RootlessPodman:
               f"printed={run.printed_pid()} seconds={seconds:.3f} stderr={stderr.strip()!r}")
         return run
 
-
     def close(self) -> None:
         """
         End what rootless podman leaves behind: its pause process, which
@@ -278,8 +277,7 @@ class RootlessPodman:
             except (FileNotFoundError, ProcessLookupError):
                 continue
             left.append(entry)
-        wait_for(lambda: not any(os.path.exists(f"/proc/{pid}/environ") and
-                                 _alive(pid) for pid in left),
+        wait_for(lambda: not any(_alive(pid) for pid in left),
                  "rootless podman's pause process to exit", timeout=10)
 
 
