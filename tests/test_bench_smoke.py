@@ -39,7 +39,13 @@ def loadgen(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def broker_socket(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     directory = tmp_path_factory.mktemp("broker")
     directory.chmod(0o711)
-    with running_broker(directory, "--max-connections", "32", "--deadline", "0.5") as broker:
+    # One generator process is one peer: its clients may all wait at once, so
+    # the per-peer share (2 of 32 slots by default) would close the third
+    # one accepted before its request, as the fairness rule means to.
+    with running_broker(
+        directory, "--max-connections", "32", "--deadline", "0.5",
+        "--max-waiting-per-peer", "32",
+    ) as broker:
         yield str(broker.socket_path)
 
 
