@@ -150,6 +150,26 @@ def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
     right.close()
 
 
+@pytest.fixture(params=["c", "python"])
+def reads(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """
+    Run the test twice: mode received's fast-path reads and closes made by
+    the C helper (C{_hostpid_received}), then by the Python path it must
+    match.  Applies to every L{PassedDescriptors} the test builds without
+    saying which.  The C run fails under C{HOSTPID_REQUIRE_PRIVILEGED=1} if
+    the helper was not built: CI must test what it ships.
+    """
+    from support import skip_or_fail
+
+    from hostpid.broker import descriptors
+
+    if request.param == "python":
+        monkeypatch.setattr(descriptors, "_native", None)
+    elif descriptors._native is None:
+        skip_or_fail(f"the C helper _hostpid_received is not built ({descriptors.NATIVE_MISSING})")
+    return str(request.param)
+
+
 @pytest.fixture
 def clean_reactor() -> Iterator[None]:
     """

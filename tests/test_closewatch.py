@@ -71,6 +71,34 @@ def test_a_lingering_close_nested_in_a_unix_socket_is_interrupted(attacker) -> N
     peer.close()
 
 
+@pytest.mark.usefixtures("reads")
+def test_a_lingering_close_in_the_reactor_thread_is_interrupted(attacker) -> None:
+    """
+    L{PassedDescriptors.release}'s own close, made in the reactor's thread
+    (here the test's, whose guard the instance registers), is bounded like
+    the closer's: given a connection whose close lingers, it returns once
+    interrupted, and says nothing was found.  On kernels before 6.10 a
+    tenant can make that close linger (in-flight garbage is freed in it).
+    The C helper must release the GIL for it, or the watchdog's thread could
+    not look and the close would last LINGER seconds; and an interrupted
+    close is over (Linux frees the descriptor), not an error to raise into
+    the accept loop with the guard still marked busy.
+    """
+    watch = default_watch()
+    assert watch.install(), watch.reason
+    before = watch.interrupted
+    receiver = PassedDescriptors(BackgroundCloser(threads=1))
+    # Shorter than LINGER, so that a close nothing interrupts fails in 30 s.
+    connection = attacker["lingering"](30)  # type: ignore[operator]
+    started = time.monotonic()
+    assert receiver.release(connection) is False
+    took = time.monotonic() - started
+    assert took < 10, f"the close took {took:.1f}s"
+    assert watch.interrupted > before
+    assert receiver.guard.busy is False, "the guard says the close is over"
+    assert connection.fileno() == -1
+
+
 def test_the_watch_never_signals_without_its_handler() -> None:
     """
     Not installed (its real-time signal's default action would end the
@@ -119,6 +147,7 @@ def test_a_close_that_ignores_interrupts_is_reported_and_a_thread_replaces_it(
     peer.close()
 
 
+@pytest.mark.usefixtures("reads")
 def test_a_connection_closed_at_its_deadline_with_a_lingering_socket_queued(attacker) -> None:
     """
     The matrix's finding (5.10, before the fix): a connection that reaches

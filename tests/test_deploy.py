@@ -864,22 +864,40 @@ def containerfile_command() -> tuple[list[str], dict[str, str]]:
 
 
 def test_containerfile_installs_the_package_and_runs_the_broker() -> None:
+    """
+    Two stages: a wheel built where a compiler is (so it carries the C
+    helper of mode received, issue 19 item 5), installed into the slim
+    image, which then must import the helper.
+    """
     instructions = containerfile_instructions()
-    (base,) = [args for keyword, args in instructions if keyword == "FROM"]
-    assert base.startswith("python:3.11"), "the project's minimum Python"
+    bases = [args for keyword, args in instructions if keyword == "FROM"]
+    assert len(bases) == 2 and all(base.startswith("python:3.11") for base in bases), (
+        "the project's minimum Python, in both stages"
+    )
+    assert bases[0].endswith(" AS build") and "slim" not in bases[0], "a compiler to build with"
+    final = instructions[[k for k, _ in instructions].index("FROM", 1):]
     argv, _ = containerfile_command()
     assert argv == BROKER_COMMAND
     assert not any(k == "USER" for k, _ in instructions), "the broker must run as root"
     copied = [
         source for keyword, args in instructions if keyword == "COPY"
+        and not args.startswith("--from=")
         for source in shlex.split(args)[:-1]
     ]
     for source in copied:
         assert (REPO / source).exists(), f"COPY {source}: not in the build context"
-    assert {"setup.cfg", "hostpid", "twisted"} <= set(copied), "what pip install . needs"
-    (install,) = [args for keyword, args in instructions if keyword == "RUN"]
-    assert install.startswith("pip install . "), "the package, with its dependencies"
+    assert {"setup.cfg", "setup.py", "hostpid", "twisted", "native"} <= set(copied), (
+        "what building the wheel needs"
+    )
+    (build,) = [args for keyword, args in instructions[:len(instructions) - len(final)]
+                if keyword == "RUN"]
+    assert build.startswith("pip wheel ") and "--no-deps" in build and " . " in build
+    assert "_hostpid_received" in build, "a wheel without the C helper fails the build"
+    assert ("COPY", "--from=build /wheels /wheels") in final
+    (install,) = [args for keyword, args in final if keyword == "RUN"]
+    assert install.startswith("pip install /wheels/*.whl "), "the package, with its dependencies"
     assert "[" not in install.split("&&")[0], "no extra: setup.cfg declares none for the broker"
+    assert 'python -c "import _hostpid_received"' in install, "the image carries the C helper"
     # --metrics needs prometheus-client: a dependency of the package itself.
     setup = configparser.ConfigParser()
     setup.read(REPO / "setup.cfg")

@@ -29,7 +29,8 @@ from hostpid.broker.descriptors import (
     unix_out_of_band_supported,
 )
 
-pytestmark = pytest.mark.kernel
+#: Every test twice: the fast path's calls made by the C helper, then in Python.
+pytestmark = [pytest.mark.kernel, pytest.mark.usefixtures("reads")]
 
 
 def rights(*fds: int) -> list[tuple[int, int, array.array]]:
@@ -319,3 +320,30 @@ def test_read_first_reads_inline_and_refuses_descriptors(pair) -> None:
         receiver.readFirst(server, 256, 0)
     wait_for(lambda: receiver.closer.closed == 1, "the closer to close the pipe")
     os.close(write)
+
+
+def test_the_c_helper_is_used_wherever_it_is_built(reads: str) -> None:
+    """
+    By default the fast path's calls go through the C helper if it is built
+    (the C{c} run: it is, or that run failed in the fixture); asking for it
+    where it is not is an error, not a silent fallback.
+    """
+    from hostpid.broker import descriptors
+
+    assert PassedDescriptors(BackgroundCloser()).native is (reads == "c")
+    assert PassedDescriptors(BackgroundCloser(), native=False).native is False
+    if reads == "python":
+        with pytest.raises(RuntimeError, match="_hostpid_received is not built"):
+            PassedDescriptors(BackgroundCloser(), native=True)
+    else:
+        native = descriptors._native
+        with pytest.raises(ValueError, match="size out of range"):
+            native.read(0, native.READ_MAX + 1, False, True)
+        with pytest.raises(ValueError, match="not a descriptor"):
+            native.release(-1)
+        fd = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            with pytest.raises(OSError):  # not a socket: the system call's own error
+                native.read(fd, 8, True, True)
+        finally:
+            os.close(fd)

@@ -193,6 +193,7 @@ def test_answers_at_accept_are_timed_once_per_accept_batch(clock, listener) -> N
         client.close()
 
 
+@pytest.mark.usefixtures("reads")
 def test_a_lasting_pause_fails_readiness_and_is_said_once(clock, listener) -> None:
     """
     Issue 18: a pause that lasts must show.  Past PAUSE_REPORTED_AFTER the
@@ -222,6 +223,7 @@ def test_a_lasting_pause_fails_readiness_and_is_said_once(clock, listener) -> No
     listener.clients[0].close()
 
 
+@pytest.mark.usefixtures("reads")
 def test_a_saturated_closer_pauses_accepting_until_it_drains(clock, listener) -> None:
     """
     Mode received: while the background closer's queue is full (its threads

@@ -360,6 +360,7 @@ def test_the_peer_is_the_connecting_process(pair) -> None:
 # --- Mode received: reads and closes through PassedDescriptors. ---
 
 
+@pytest.mark.usefixtures("reads")
 def test_passed_descriptors_end_the_transaction_unanswered(clock) -> None:
     factory, room, tenants = make_room(clock)
     factory.receiveDescriptors(PassedDescriptors(
@@ -388,6 +389,7 @@ def test_passed_descriptors_end_the_transaction_unanswered(clock) -> None:
         tenants.close()
 
 
+@pytest.mark.usefixtures("reads")
 def test_without_room_reads_go_on_and_meet_no_descriptor(clock) -> None:
     """
     No room in the descriptor table for a full message: a request is still

@@ -42,6 +42,7 @@ from support import (
 )
 
 from hostpid import wire
+from hostpid.broker import descriptors
 from hostpid.broker.service import RECEIVE_DESCRIPTORS_ENV
 
 pytestmark = [pytest.mark.privileged, pytest.mark.kernel]
@@ -131,6 +132,10 @@ def test_passed_lingering_socket_does_not_freeze_the_broker(
             wait_for(lambda: "descriptors transactions so far: 2" in broker.output(),
                      "the passed sockets counted as outcome descriptors")
             assert "descriptor passing: forced by" in broker.output()
+            # The attack met the C helper's reads wherever it is built (the
+            # unit tests of both paths are tests/test_descriptors.py's).
+            built = descriptors._native is not None
+            assert ("made by the C helper" in broker.output()) is built, broker.output()
 
 
 @kernel_feature("SO_PASSRIGHTS")

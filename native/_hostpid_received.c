@@ -1,0 +1,307 @@
+/*
+ * _hostpid_received: the system calls of mode "received"'s fast path, made
+ * from C (issue 19 item 5).
+ *
+ * Mode "received" (kernels without SO_PASSRIGHTS, before Linux 6.16) needs
+ * four system calls per connection more than mode "refused": SO_OOBINLINE,
+ * recvmsg with room for passed descriptors, shutdown(SHUT_RD) and a closing
+ * peek.  Made through the socket module they cost far more in Python than
+ * in the kernel: argument parsing, recvmsg's result tuple and list, one
+ * method call each.  This module makes the same calls, in the same order,
+ * in two functions.
+ *
+ * It decides nothing.  What to do with a descriptor that arrived, whether
+ * there is room for a full message, when a connection goes to the
+ * background closer: all of that stays in hostpid/broker/descriptors.py,
+ * whose pure-Python path (used where this module is not built) is the
+ * reference these functions must match, and is tested against the same
+ * real sockets.
+ *
+ * Nothing here closes a descriptor some client passed: read() returns them.
+ * The one close, release()'s close of the connection whose queue was just
+ * found empty, is made with the GIL released, as socket.close() does, so
+ * that the close watchdog's thread can look at it and interrupt it.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+/* The kernel's SCM_MAX_FD: descriptors one SCM_RIGHTS message can carry. */
+#define SCM_MAX_FD 253
+
+/* The largest read read() makes: its buffer is on the stack. */
+#define READ_MAX 4096
+
+/* release()'s answers; descriptors.py names them. */
+enum {
+    RELEASE_CLOSED = 0,      /* the queue was empty: closed here */
+    RELEASE_UNCONNECTED = 1, /* shutdown failed: what is queued is unknown */
+    RELEASE_QUEUED = 2,      /* the peek found bytes, or a reset: drain */
+    RELEASE_FAILED = 3,      /* the peek failed otherwise */
+};
+
+static int
+as_fd(PyObject *value, int *fd)
+{
+    long number = PyLong_AsLong(value);
+    if (number == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (number < 0 || number > INT_MAX) {
+        PyErr_SetString(PyExc_ValueError, "not a descriptor");
+        return -1;
+    }
+    *fd = (int)number;
+    return 0;
+}
+
+/* An SCM_RIGHTS message, well formed (the kernel's always are). */
+static int
+is_rights(const struct cmsghdr *cmsg)
+{
+    return cmsg->cmsg_level == SOL_SOCKET && cmsg->cmsg_type == SCM_RIGHTS
+        && cmsg->cmsg_len >= CMSG_LEN(0);
+}
+
+/*
+ * The descriptors an SCM_RIGHTS message put in our table, as a tuple (empty
+ * when the message carried other ancillary data, or was truncated).  On
+ * MemoryError they stay open: closing one here could block this thread,
+ * which is what the caller exists to avoid.
+ */
+static PyObject *
+passed_descriptors(struct msghdr *msg)
+{
+    Py_ssize_t count = 0, at = 0;
+    struct cmsghdr *cmsg;
+    PyObject *fds;
+
+    for (cmsg = CMSG_FIRSTHDR(msg); cmsg != NULL; cmsg = CMSG_NXTHDR(msg, cmsg)) {
+        if (is_rights(cmsg)) {
+            count += (cmsg->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        }
+    }
+    fds = PyTuple_New(count);
+    if (fds == NULL) {
+        return NULL;
+    }
+    for (cmsg = CMSG_FIRSTHDR(msg); cmsg != NULL; cmsg = CMSG_NXTHDR(msg, cmsg)) {
+        size_t i, n;
+        if (!is_rights(cmsg)) {
+            continue;
+        }
+        n = (cmsg->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        for (i = 0; i < n && at < count; i++) {
+            int fd;
+            PyObject *number;
+            memcpy(&fd, CMSG_DATA(cmsg) + i * sizeof(int), sizeof(int));
+            number = PyLong_FromLong(fd);
+            if (number == NULL) {
+                Py_DECREF(fds);
+                return NULL;
+            }
+            PyTuple_SET_ITEM(fds, at++, number);
+        }
+    }
+    return fds;
+}
+
+/* recvmsg, retried after EINTR as the socket module does (PEP 475). */
+static ssize_t
+receive(int fd, struct msghdr *msg, int flags)
+{
+    ssize_t n;
+    for (;;) {
+        n = recvmsg(fd, msg, flags);
+        if (n >= 0 || errno != EINTR) {
+            break;
+        }
+        if (PyErr_CheckSignals() < 0) {
+            return -2;
+        }
+    }
+    if (n == -1) {
+        PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return n;
+}
+
+PyDoc_STRVAR(read_doc,
+"read(fd, size, oobinline, room) -> bytes | tuple[int, ...]\n"
+"\n"
+"The first read of a connection just accepted, without blocking.  If\n"
+"oobinline, first set SO_OOBINLINE (out-of-band bytes read inline, so no\n"
+"ordinary read discards an out-of-band message and its descriptors).\n"
+"With room, recvmsg with an ancillary buffer for SCM_MAX_FD descriptors;\n"
+"without, peek with none, and read only the bytes the peek found, if it\n"
+"met no descriptor.\n"
+"\n"
+"Returns the bytes read, or, if the message carried descriptors (or any\n"
+"ancillary data, or was truncated; read without room: has descriptors\n"
+"waiting, unread), a tuple of the descriptors now in this process's\n"
+"table, for the caller to dispose of.  Raises OSError as recvmsg\n"
+"(BlockingIOError: nothing waiting).");
+
+static PyObject *
+received_read(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    int fd, oobinline, room;
+    Py_ssize_t size;
+    ssize_t n;
+    char data[READ_MAX];
+    union {
+        struct cmsghdr align;
+        char buffer[CMSG_SPACE(SCM_MAX_FD * sizeof(int))];
+    } control;
+    struct iovec iov;
+    struct msghdr msg;
+
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "read() takes fd, size, oobinline, room");
+        return NULL;
+    }
+    if (as_fd(args[0], &fd) < 0) {
+        return NULL;
+    }
+    size = PyLong_AsSsize_t(args[1]);
+    if (size == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (size < 1 || size > READ_MAX) {
+        PyErr_SetString(PyExc_ValueError, "size out of range");
+        return NULL;
+    }
+    if ((oobinline = PyObject_IsTrue(args[2])) < 0 || (room = PyObject_IsTrue(args[3])) < 0) {
+        return NULL;
+    }
+    if (oobinline) {
+        int on = 1;
+        if (setsockopt(fd, SOL_SOCKET, SO_OOBINLINE, &on, sizeof on) < 0) {
+            return PyErr_SetFromErrno(PyExc_OSError);
+        }
+    }
+    memset(&msg, 0, sizeof msg);
+    iov.iov_base = data;
+    iov.iov_len = (size_t)size;
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    if (room) {
+        msg.msg_control = control.buffer;
+        msg.msg_controllen = sizeof control.buffer;
+        n = receive(fd, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+        if (n < 0) {
+            return NULL;
+        }
+        if (CMSG_FIRSTHDR(&msg) != NULL || (msg.msg_flags & MSG_CTRUNC)) {
+            return passed_descriptors(&msg);
+        }
+        return PyBytes_FromStringAndSize(data, n);
+    }
+    /*
+     * No room: a peek with no ancillary buffer installs no descriptor and
+     * drops none (the kernel takes its loaned references back and sets
+     * MSG_CTRUNC).  A stream peek stops after the first message with
+     * descriptors, so bytes peeked without MSG_CTRUNC carry none, and
+     * reading exactly that many (the only reader) cannot reach one.
+     */
+    n = receive(fd, &msg, MSG_PEEK | MSG_DONTWAIT);
+    if (n < 0) {
+        return NULL;
+    }
+    if (msg.msg_flags & MSG_CTRUNC) {
+        return PyTuple_New(0);
+    }
+    if (n > 0) {
+        memset(&msg, 0, sizeof msg);
+        iov.iov_len = (size_t)n;
+        msg.msg_iov = &iov;
+        msg.msg_iovlen = 1;
+        n = receive(fd, &msg, MSG_DONTWAIT);
+        if (n < 0) {
+            return NULL;
+        }
+    }
+    return PyBytes_FromStringAndSize(data, n);
+}
+
+PyDoc_STRVAR(release_doc,
+"release(fd) -> int\n"
+"\n"
+"Begin closing a connection without dropping a passed descriptor's last\n"
+"reference in this thread: shutdown(SHUT_RD), so the peer can queue\n"
+"nothing more, then peek one byte.  A queue that reads as end of file is\n"
+"empty for good: fd is closed (with the GIL released) and RELEASE_CLOSED\n"
+"returned.  Otherwise fd is left open and the answer says why:\n"
+"RELEASE_UNCONNECTED (shutdown failed), RELEASE_QUEUED (bytes or a\n"
+"reset are queued: drain), RELEASE_FAILED (the peek failed).");
+
+static PyObject *
+received_release(PyObject *module, PyObject *arg)
+{
+    int fd;
+    char byte;
+    ssize_t n;
+
+    if (as_fd(arg, &fd) < 0) {
+        return NULL;
+    }
+    if (shutdown(fd, SHUT_RD) < 0) {
+        return PyLong_FromLong(RELEASE_UNCONNECTED);
+    }
+    n = recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (n > 0 || (n < 0 && errno == ECONNRESET)) {
+        return PyLong_FromLong(RELEASE_QUEUED);
+    }
+    if (n < 0) {
+        return PyLong_FromLong(RELEASE_FAILED);
+    }
+    /* Linux releases the descriptor even when close fails (EINTR included). */
+    Py_BEGIN_ALLOW_THREADS
+    close(fd);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(RELEASE_CLOSED);
+}
+
+static PyMethodDef received_methods[] = {
+    {"read", (PyCFunction)(void (*)(void))received_read, METH_FASTCALL, read_doc},
+    {"release", received_release, METH_O, release_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static int
+received_exec(PyObject *module)
+{
+    if (PyModule_AddIntConstant(module, "SCM_MAX_FD", SCM_MAX_FD) < 0
+        || PyModule_AddIntConstant(module, "READ_MAX", READ_MAX) < 0
+        || PyModule_AddIntConstant(module, "RELEASE_CLOSED", RELEASE_CLOSED) < 0
+        || PyModule_AddIntConstant(module, "RELEASE_UNCONNECTED", RELEASE_UNCONNECTED) < 0
+        || PyModule_AddIntConstant(module, "RELEASE_QUEUED", RELEASE_QUEUED) < 0
+        || PyModule_AddIntConstant(module, "RELEASE_FAILED", RELEASE_FAILED) < 0) {
+        return -1;
+    }
+    return 0;
+}
+
+static PyModuleDef_Slot received_slots[] = {
+    {Py_mod_exec, received_exec},
+    {0, NULL},
+};
+
+static struct PyModuleDef received_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_hostpid_received",
+    .m_doc = "The system calls of mode received's fast path (see hostpid.broker.descriptors).",
+    .m_size = 0,
+    .m_methods = received_methods,
+    .m_slots = received_slots,
+};
+
+PyMODINIT_FUNC
+PyInit__hostpid_received(void)
+{
+    return PyModuleDef_Init(&received_module);
+}
