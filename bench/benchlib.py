@@ -148,11 +148,14 @@ class ProcStats:
 
     def cpu_seconds(self) -> float:
         """utime + stime of the whole process (every thread), in seconds."""
+        return sum(self.user_and_system())
+
+    def user_and_system(self) -> tuple[float, float]:
+        """utime and stime of the whole process (every thread), in seconds."""
         stat = Path(f"/proc/{self.pid}/stat").read_text()
         # The command name is in parentheses and may hold spaces: split after it.
         fields = stat[stat.rindex(")") + 2 :].split()
-        utime, stime = int(fields[11]), int(fields[12])
-        return (utime + stime) / CLOCK_TICKS
+        return int(fields[11]) / CLOCK_TICKS, int(fields[12]) / CLOCK_TICKS
 
     def status_kb(self, field: str) -> int:
         for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
