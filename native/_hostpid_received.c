@@ -229,10 +229,13 @@ received_read(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 }
 
 PyDoc_STRVAR(release_doc,
-"release(fd) -> int\n"
+"release(fd, reply) -> int\n"
 "\n"
-"Begin closing a connection without dropping a passed descriptor's last\n"
-"reference in this thread: shutdown(SHUT_RD), so the peer can queue\n"
+"Send reply (bytes, or None for none) without blocking, as the broker's\n"
+"reply is sent (MSG_DONTWAIT | MSG_NOSIGNAL, a failure ignored: the\n"
+"client went away or left no room, and either way gets no answer).\n"
+"Then begin closing the connection without dropping a passed descriptor's\n"
+"last reference in this thread: shutdown(SHUT_RD), so the peer can queue\n"
 "nothing more, then peek one byte.  A queue that reads as end of file is\n"
 "empty for good: fd is closed (with the GIL released) and RELEASE_CLOSED\n"
 "returned.  Otherwise fd is left open and the answer says why:\n"
@@ -240,14 +243,30 @@ PyDoc_STRVAR(release_doc,
 "reset are queued: drain), RELEASE_FAILED (the peek failed).");
 
 static PyObject *
-received_release(PyObject *module, PyObject *arg)
+received_release(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     int fd;
     char byte;
     ssize_t n;
 
-    if (as_fd(arg, &fd) < 0) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "release() takes fd, reply");
         return NULL;
+    }
+    if (as_fd(args[0], &fd) < 0) {
+        return NULL;
+    }
+    if (args[1] != Py_None) {
+        char *reply;
+        Py_ssize_t length;
+        if (PyBytes_AsStringAndSize(args[1], &reply, &length) < 0) {
+            return NULL;
+        }
+        /* A reply of a few bytes on a fresh connection: it fits or fails at
+         * once, and a failure changes nothing below. */
+        while (send(fd, reply, (size_t)length, MSG_DONTWAIT | MSG_NOSIGNAL) < 0
+               && errno == EINTR) {
+        }
     }
     if (shutdown(fd, SHUT_RD) < 0) {
         return PyLong_FromLong(RELEASE_UNCONNECTED);
@@ -268,7 +287,7 @@ received_release(PyObject *module, PyObject *arg)
 
 static PyMethodDef received_methods[] = {
     {"read", (PyCFunction)(void (*)(void))received_read, METH_FASTCALL, read_doc},
-    {"release", received_release, METH_O, release_doc},
+    {"release", (PyCFunction)(void (*)(void))received_release, METH_FASTCALL, release_doc},
     {NULL, NULL, 0, NULL},
 };
 

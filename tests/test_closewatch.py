@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import array
 import os
+import signal
 import socket
 import struct
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from attackers import LINGERING_SOCKET
@@ -233,3 +235,116 @@ def test_a_log_line_for_a_reactor_that_takes_no_calls_is_written_here() -> None:
         finally:
             globalLogPublisher.removeObserver(seen.append)
     assert [event.get("what") for event in seen] == ["said", "said"]
+
+
+@pytest.fixture(scope="module")
+def private() -> Iterator[tuple[CloseWatch, socket.socket, socket.socket]]:
+    """
+    A watch of its own, installed (a real-time signal no other test uses),
+    its thread started while a connected pair of sockets is open here.
+    """
+    held, peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    watch = CloseWatch(
+        signum=int(default_watch().signum) + 2, pollBusy=0.005, pollIdle=0.005, stuckAfter=0.05
+    )
+    assert watch.install(), watch.reason
+    yield watch, held, peer
+    held.close()
+    peer.close()
+
+
+def _watchdog_task(watch: CloseWatch) -> Path:
+    thread = watch._thread
+    assert thread is not None and thread.native_id is not None
+    return Path(f"/proc/self/task/{thread.native_id}")
+
+
+def test_the_watchdog_thread_holds_no_descriptor_but_0_to_2(private) -> None:
+    """
+    Its table is its own: while it shared the process's, the kernel took a
+    reference on the file for every system call the reactor thread made on
+    a descriptor (about 1.5 us a transaction in mode received).  Before
+    this change the thread's table was the process's, listing every
+    descriptor open here.
+    """
+    watch, held, _ = private
+    assert watch.sharedTable is None
+    task = _watchdog_task(watch)
+    theirs = {int(name) for name in os.listdir(task / "fd")}
+    ours = {int(name) for name in os.listdir("/proc/self/fd")}
+    assert held.fileno() in ours
+    assert theirs <= {0, 1, 2}, f"the watchdog's table holds {sorted(theirs)}"
+
+
+def test_the_watchdog_thread_blocks_every_signal(private) -> None:
+    """A signal for the process (SIGTERM) is handled where Python can wake the reactor."""
+    watch, _, _ = private
+    status = (_watchdog_task(watch) / "status").read_text()
+    blocked = int(next(line for line in status.splitlines() if line.startswith("SigBlk:"))
+                  .split()[1], 16)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD, watch.signum):
+        assert blocked & (1 << (int(signum) - 1)), f"signal {int(signum)} not blocked"
+
+
+def test_a_descriptor_closed_here_is_not_kept_open_by_the_watchdog(private) -> None:
+    """
+    The thread's table copied nothing from 3 up: a socket open when it
+    started is really closed when the process closes it (a copy would hold
+    it open, and its peer would never see the end of file).
+    """
+    _, held, peer = private
+    held.close()
+    peer.settimeout(10)
+    assert peer.recv(1) == b"", "end of file at once"
+
+
+def test_the_watchdogs_reports_are_made_in_the_main_thread(private) -> None:
+    """
+    The watchdog holds no descriptor, so what it has to say (a log line, a
+    stuck close for the closer to replace its thread) is done in the main
+    thread, which its signal wakes: a close nothing interrupts, in another
+    thread, is reported, and its owner told, from there.
+    """
+    watch, _, _ = private
+    seen: list[dict[str, object]] = []
+    told: list[threading.Thread] = []
+    release = threading.Event()
+
+    def stuck() -> None:
+        guard = watch.guard("a stuck thread", lambda g: told.append(threading.current_thread()))
+        guard.closes += 1
+        guard.busy = True  # as a close that ignores signals: the watchdog's interrupts return here
+        while not release.wait(0.01):
+            pass
+        guard.busy = False
+        watch.forget(guard)
+
+    globalLogPublisher.addObserver(seen.append)
+    thread = threading.Thread(target=stuck, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: told, "the stuck close to be reported", timeout=10)
+    finally:
+        release.set()
+        thread.join(10)
+        globalLogPublisher.removeObserver(seen.append)
+    assert told == [threading.main_thread()]
+    assert any("despite interrupts" in str(event.get("log_format")) for event in seen), seen
+    assert not watch.outbox
+
+
+def test_an_idle_closer_thread_ends_and_a_new_one_starts_when_needed() -> None:
+    """
+    Closer threads share the process's table; one left running would slow
+    every later transaction, so an idle one ends, and the next descriptor
+    starts another.
+    """
+    closer = BackgroundCloser(threads=1, idle=0.05, watch=CloseWatch())
+    for round_ in (1, 2):
+        read, write = os.pipe()
+        closer.submit(read)
+        wait_for(lambda n=round_: closer.closed == n, "the closer to close the pipe")
+        with pytest.raises(BrokenPipeError):
+            os.write(write, b"x")
+        os.close(write)
+        wait_for(lambda: closer.threads == 0, "the idle thread to end")

@@ -106,6 +106,31 @@ def test_release_of_a_clean_connection_finds_nothing(pair) -> None:
     assert receiver.closer.pending == 0
 
 
+def test_release_sends_the_reply_before_it_closes(pair) -> None:
+    """The fast path's reply goes out in the release (one C call): before the close."""
+    server, client = pair
+    client.sendall(wire.GET_HOST_PID_REQUEST)
+    receiver = PassedDescriptors(BackgroundCloser())
+    assert receiver.receive(server, 8) == (wire.GET_HOST_PID_REQUEST, False)
+    reply = wire.encode_ok(os.getpid())
+    assert receiver.release(server, reply) is False
+    assert server.fileno() == -1, "closed"
+    client.settimeout(5)
+    assert client.recv(64) == reply
+    assert client.recv(64) == b"", "then end of file"
+
+
+def test_release_closes_a_connection_whose_reply_cannot_be_sent(pair) -> None:
+    """A client that went away gets no reply, and the close goes on as without one."""
+    server, client = pair
+    client.sendall(wire.GET_HOST_PID_REQUEST)
+    receiver = PassedDescriptors(BackgroundCloser())
+    assert receiver.receive(server, 8) == (wire.GET_HOST_PID_REQUEST, False)
+    client.close()
+    assert receiver.release(server, wire.encode_ok(os.getpid())) is False
+    assert server.fileno() == -1 and receiver.closer.pending == 0
+
+
 @kernel_feature("UNIX_OOB")
 def test_out_of_band_descriptors_are_received_once_inline(pair) -> None:
     """Without SO_OOBINLINE the second read would silently discard the descriptor."""
@@ -340,7 +365,7 @@ def test_the_c_helper_is_used_wherever_it_is_built(reads: str) -> None:
         with pytest.raises(ValueError, match="size out of range"):
             native.read(0, native.READ_MAX + 1, False, True)
         with pytest.raises(ValueError, match="not a descriptor"):
-            native.release(-1)
+            native.release(-1, None)
         fd = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
         try:
             with pytest.raises(OSError):  # not a socket: the system call's own error

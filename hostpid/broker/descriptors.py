@@ -106,6 +106,7 @@ _SO_OOBINLINE = int(socket.SO_OOBINLINE)
 _SHUT_RD = int(socket.SHUT_RD)
 _PEEK_FLAGS = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)
 _DONTWAIT = int(socket.MSG_DONTWAIT)
+_SEND_FLAGS = int(socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
 _SOL_SOCKET = int(socket.SOL_SOCKET)
 _INTERNET = frozenset({int(socket.AF_INET), int(socket.AF_INET6)})
 _AF_UNIX = int(socket.AF_UNIX)
@@ -125,6 +126,9 @@ _DRAIN_SIZE = 65536
 CLOSER_THREADS = 2
 CLOSER_QUEUE = 2 * 256
 CLOSER_MAX_THREADS = 8
+
+#: Seconds a closer thread waits with nothing to close before it ends.
+CLOSER_IDLE = 5.0
 
 #: Descriptors kept free beyond one full message before any read with an
 #: ancillary buffer: the connection in hand, a transient pidfd, a log file
@@ -184,7 +188,12 @@ class BackgroundCloser:
     A thread whose close ignores interrupts (L{CloseWatch} reports it stuck)
     is replaced by a fresh one, up to L{CLOSER_MAX_THREADS} in all, so
     descriptors behind it keep closing.  The threads start on first use and
-    are never joined: a close that blocks cannot be waited for.
+    are never joined: a close that blocks cannot be waited for.  A thread
+    that finds nothing to close for L{CLOSER_IDLE} seconds, with nothing
+    pending, ends: while any other thread shares the process's descriptor
+    table, every system call on a descriptor costs the reactor thread more
+    (see L{hostpid.broker.closewatch}), so the threads one client's passed
+    descriptors brought do not slow every later transaction.
     """
 
     log = Logger()
@@ -195,8 +204,10 @@ class BackgroundCloser:
         limit: int = CLOSER_QUEUE,
         watch: CloseWatch | None = None,
         maxThreads: int = CLOSER_MAX_THREADS,
+        idle: float = CLOSER_IDLE,
     ) -> None:
         self.limit = limit
+        self.idle = idle
         self._threads = threads
         self._maxThreads = max(threads, maxThreads)
         if watch is None:
@@ -213,6 +224,8 @@ class BackgroundCloser:
         #: Descriptors submitted and not yet closed (waiting or being closed).
         self.pending = 0
         self.closed = 0
+        #: Threads running now (started and not yet ended).
+        self.threads = 0
 
     @property
     def saturated(self) -> bool:
@@ -256,7 +269,7 @@ class BackgroundCloser:
         threading.Thread(target=self._run, name="hostpid-closer", daemon=True).start()
 
     def _replace(self, guard: CloseGuard) -> None:
-        """From the watchdog: C{guard}'s thread is stuck; carry on without it."""
+        """From the watch (in the main thread): C{guard}'s thread is stuck; carry on without it."""
         with self._lock:
             if self._started >= self._maxThreads:
                 return
@@ -266,8 +279,20 @@ class BackgroundCloser:
 
     def _run(self) -> None:
         guard = self._watch.guard(threading.current_thread().name, self._replace)
+        with self._lock:
+            self.threads += 1
         while True:
-            fd = self._queue.get()
+            try:
+                fd = self._queue.get(timeout=self.idle)
+            except queue.Empty:
+                with self._lock:
+                    if self.pending:
+                        continue
+                    # Idle: end; submit starts threads again.
+                    self._started -= 1
+                    self.threads -= 1
+                self._watch.forget(guard)
+                return
             guard.closes += 1
             guard.busy = True
             try:
@@ -284,6 +309,8 @@ class BackgroundCloser:
                     # A fresh thread took over while this one was stuck.
                     self._replaced.discard(guard)
                     self._started -= 1
+                if replaced:
+                    self.threads -= 1
             if replaced:
                 self._watch.forget(guard)
                 return
@@ -453,8 +480,12 @@ class PassedDescriptors:
         return None if carried else data
 
     def _readFirstNative(self, sock: _socket.socket, size: int, connections: int) -> bytes | None:
-        """L{readFirst}, its system calls made by the C helper (C{read})."""
-        room = self.hasRoom(connections)
+        """
+        L{readFirst}, its system calls made by the C helper (C{read}), and
+        L{hasRoom}'s test inline (once per transaction).
+        """
+        pending = self.closer.pending
+        room = pending <= self._closerRoom and connections + pending <= self._tableRoom
         if not room:
             self.withoutRoom += 1
         got = _native.read(sock.fileno(), size, self.outOfBand, room)
@@ -490,9 +521,11 @@ class PassedDescriptors:
             return data, True
         return data, flags & _MSG_CTRUNC != 0
 
-    def release(self, sock: _socket.socket) -> bool:
+    def release(self, sock: _socket.socket, reply: bytes | None = None) -> bool:
         """
-        Close C{sock}, a connection, without dropping a passed descriptor's
+        Send C{reply}, if any, without blocking (a failure is ignored: the
+        client went away, or left no room, and gets no answer either way).
+        Then close C{sock}, a connection, without dropping a passed descriptor's
         last reference in this thread: stop the peer sending, read what is
         already queued (boundedly, and only while L{hasRoom}), and close; a
         queue still not empty, or the table without room to drain it, is
@@ -508,6 +541,11 @@ class PassedDescriptors:
 
         @return: whether descriptors were found while draining.
         """
+        if reply is not None:
+            try:
+                sock.send(reply, _SEND_FLAGS)
+            except OSError:
+                pass
         try:
             sock.shutdown(_SHUT_RD)
         except OSError:
@@ -532,17 +570,17 @@ class PassedDescriptors:
             return False
         return self._drain(sock)
 
-    def _releaseNative(self, sock: _socket.socket) -> bool:
+    def _releaseNative(self, sock: _socket.socket, reply: bytes | None = None) -> bool:
         """
-        L{release}, its common case (shutdown, peek, close) one call to the
-        C helper, watched as a close: the rest, as rare as it is, is
-        L{release}'s own.
+        L{release}, its common case (the reply, shutdown, peek, close) one
+        call to the C helper, watched as a close: the rest, as rare as it
+        is, is L{release}'s own.
         """
         fd = sock.detach()
         guard = self.guard
         guard.closes += 1
         guard.busy = True
-        status = _native.release(fd)
+        status = _native.release(fd, reply)
         guard.busy = False
         if status == _RELEASE_CLOSED:
             return False

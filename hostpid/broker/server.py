@@ -339,12 +339,8 @@ class BrokerFactory(Factory):
             self.record(Outcome.SHORT)
             return None
         outcome, reply = answer(data[:_REQUEST_SIZE], sock, self.identifier, accepted)
-        if reply is not None:
-            try:
-                sock.send(reply, _SEND_FLAGS)
-            except OSError:
-                pass
-        if passed.release(sock):
+        # The reply is sent by the release, in the same call to the C helper.
+        if passed.release(sock, reply):
             # Descriptors arrived after the request: the reply is already
             # sent, but the transaction is counted for what the client did.
             outcome = Outcome.DESCRIPTORS

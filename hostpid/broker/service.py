@@ -407,6 +407,12 @@ class BrokerService(Service):
                 "{bound:.0f} ms is interrupted (signal {signum})",
                 bound=2000 * watch.pollBusy, signum=int(watch.signum),
             )
+            if watch.sharedTable is not None:
+                self.log.warn(
+                    "hostpid-broker: the close watchdog shares the descriptor table ({reason}): "
+                    "every system call on a descriptor costs the reactor thread more",
+                    reason=watch.sharedTable or "not started",
+                )
         else:
             self.log.warn(
                 "hostpid-broker: closes cannot be interrupted ({reason}): a passed descriptor "
