@@ -100,11 +100,12 @@ def own_descriptor_table() -> str | None:
     Give the calling thread a descriptor table of its own, with copies of
     descriptors 0-2 only: C{close_range(3, ~0U, CLOSE_RANGE_UNSHARE)}.
 
-    Asked to close everything from 3 up, the kernel copies only the
-    descriptors below 3 into the new table (C{__close_range}: a range past
-    the table's end copies just those beneath it), so no other descriptor
-    gains a reference here: none can have its last reference dropped by this
-    thread, and none is kept open by it after its owner closes it.
+    The kernel copies none of the descriptors it is asked to close into
+    the new table (C{__close_range}: before Linux 6.11 a range past the
+    table's end copies only those beneath it; from 6.11 C{dup_fd} copies
+    all but the range), so no descriptor from 3 up gains a reference here:
+    none can have its last reference dropped by this thread, and none is
+    kept open by it after its owner closes it.
 
     @return: C{None}, or why the thread still shares the process's table.
     """
