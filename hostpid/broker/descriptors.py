@@ -309,7 +309,6 @@ class BackgroundCloser:
                     # A fresh thread took over while this one was stuck.
                     self._replaced.discard(guard)
                     self._started -= 1
-                if replaced:
                     self.threads -= 1
             if replaced:
                 self._watch.forget(guard)
