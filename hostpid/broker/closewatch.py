@@ -184,9 +184,8 @@ class CloseWatch:
         self.active = False
         self.reason = "not installed"
         #: Why the watchdog thread still shares the process's descriptor
-        #: table (L{own_descriptor_table}), or C{None} once it does not; an
-        #: empty string until the thread has tried.
-        self.sharedTable: str | None = ""
+        #: table (L{own_descriptor_table}), or C{None} once it does not.
+        self.sharedTable: str | None = "not started"
         #: What the watchdog thread has to say, for the main thread to do
         #: (L{flush}): log lines, and stuck guards' L{CloseGuard.onStuck}.
         self.outbox: collections.deque[Callable[[], object]] = collections.deque(
@@ -339,11 +338,9 @@ class CloseWatch:
 
     def flush(self) -> None:
         """Make the calls the outbox holds, oldest first."""
+        # Only the main thread takes from the outbox: it cannot run dry here.
         while self.outbox:
-            try:
-                call = self.outbox.popleft()
-            except IndexError:
-                return
+            call = self.outbox.popleft()
             try:
                 call()
             except Exception:

@@ -224,8 +224,11 @@ class BackgroundCloser:
         #: Descriptors submitted and not yet closed (waiting or being closed).
         self.pending = 0
         self.closed = 0
-        #: Threads running now (started and not yet ended).
-        self.threads = 0
+
+    @property
+    def threads(self) -> int:
+        """Threads started and not yet ended (idle, or replaced once stuck)."""
+        return self._started
 
     @property
     def saturated(self) -> bool:
@@ -279,8 +282,6 @@ class BackgroundCloser:
 
     def _run(self) -> None:
         guard = self._watch.guard(threading.current_thread().name, self._replace)
-        with self._lock:
-            self.threads += 1
         while True:
             try:
                 fd = self._queue.get(timeout=self.idle)
@@ -290,7 +291,6 @@ class BackgroundCloser:
                         continue
                     # Idle: end; submit starts threads again.
                     self._started -= 1
-                    self.threads -= 1
                 self._watch.forget(guard)
                 return
             guard.closes += 1
@@ -309,7 +309,6 @@ class BackgroundCloser:
                     # A fresh thread took over while this one was stuck.
                     self._replaced.discard(guard)
                     self._started -= 1
-                    self.threads -= 1
             if replaced:
                 self._watch.forget(guard)
                 return
@@ -479,12 +478,8 @@ class PassedDescriptors:
         return None if carried else data
 
     def _readFirstNative(self, sock: _socket.socket, size: int, connections: int) -> bytes | None:
-        """
-        L{readFirst}, its system calls made by the C helper (C{read}), and
-        L{hasRoom}'s test inline (once per transaction).
-        """
-        pending = self.closer.pending
-        room = pending <= self._closerRoom and connections + pending <= self._tableRoom
+        """L{readFirst}, its system calls made by the C helper (C{read})."""
+        room = self.hasRoom(connections)
         if not room:
             self.withoutRoom += 1
         got = _native.read(sock.fileno(), size, self.outOfBand, room)

@@ -411,7 +411,7 @@ class BrokerService(Service):
                 self.log.warn(
                     "hostpid-broker: the close watchdog shares the descriptor table ({reason}): "
                     "every system call on a descriptor costs the reactor thread more",
-                    reason=watch.sharedTable or "not started",
+                    reason=watch.sharedTable,
                 )
         else:
             self.log.warn(
