@@ -1,8 +1,8 @@
 """
-The one compiled part: mode received's system calls made from C
-(native/_hostpid_received.c).  Optional: where it cannot be built (no
+The one compiled part: the broker's fast-path system calls made from C
+(native/_hostpid_native.c).  Optional: where it cannot be built (no
 compiler, no Python headers) the install goes on and the broker makes the
-same calls from Python (hostpid/broker/descriptors.py), only slower.
+same calls from Python (hostpid/broker/connections.py, descriptors.py), only slower.
 """
 
 from setuptools import Extension, setup
@@ -10,8 +10,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "_hostpid_received",
-            sources=["native/_hostpid_received.c"],
+            "_hostpid_native",
+            sources=["native/_hostpid_native.c"],
             extra_compile_args=["-Wall", "-Wextra", "-Wno-unused-parameter"],
             optional=True,
         )

@@ -38,6 +38,14 @@ from collections.abc import Callable
 import attrs
 from twisted.logger import Logger
 
+try:
+    # A descriptor or a socket object alike: the broker's fast path holds
+    # its connections as bare descriptors where the C helper is built
+    # (hostpid.broker.connections).
+    from _hostpid_native import getsockopt as _getsockopt
+except ImportError:
+    _getsockopt = _socket.socket.getsockopt  # type: ignore[assignment]
+
 from hostpid.starttime import TICK_NS, boottime_ns, proc_shows_own_namespace, started_after
 
 _UCRED = struct.Struct("3i")
@@ -74,14 +82,19 @@ def peer_credentials(sock: socket.socket) -> PeerCredentials:
     return PeerCredentials(*_UCRED.unpack(sock.getsockopt(_SOL_SOCKET, _SO_PEERCRED, _UCRED.size)))
 
 
-def peer_pidfd(sock: _socket.socket) -> int:
+#: A connected Unix socket: a socket object, or (where the C helper is
+#: built) its descriptor.
+Socket = _socket.socket | int
+
+
+def peer_pidfd(sock: Socket) -> int:
     """
     A new pidfd for the process that connected C{sock}; the caller closes it.
 
     @raise OSError: C{ENOPROTOOPT} on kernels before 6.5, or another error.
     """
-    # With no buffer length, getsockopt returns the option as a C int.
-    return sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+    # The option as a C int.
+    return _getsockopt(sock, _SOL_SOCKET, SO_PEERPIDFD)
 
 
 _pidfd_send_signal = signal.pidfd_send_signal
@@ -236,7 +249,7 @@ class PeerIdentifier:
     def __init__(
         self,
         check: LivenessCheck | None = None,
-        peerPidfd: Callable[[_socket.socket], int] = peer_pidfd,
+        peerPidfd: Callable[[Socket], int] = peer_pidfd,
         pidfdOpen: Callable[[int], int] = os.pidfd_open,
     ) -> None:
         """
@@ -291,8 +304,10 @@ class PeerIdentifier:
                 error=errno.errorcode.get(refused.errno or 0, str(refused)) if refused else "",
             )
 
-    def host_pid(self, sock: _socket.socket, accepted: int = 0) -> int:
+    def host_pid(self, sock: Socket, accepted: int = 0) -> int:
         """
+        @param sock: the connection, a socket object; or its bare
+            descriptor, where the C helper C{_hostpid_native} is built.
         @param accepted: when C{sock} was accepted (L{boottime_ns}), if
             known; C{0} (unknown) leaves only the C{pidfd_open} lookup and
             the liveness question, with no start-time rule.
@@ -303,7 +318,7 @@ class PeerIdentifier:
             # The PID alone, as a C int: the kernel copies as much of
             # C{struct ucred} as the buffer holds, and the PID comes first.
             # No bytes object and no unpacking on the hot path.
-            pid = sock.getsockopt(_SOL_SOCKET, _SO_PEERCRED)
+            pid = _getsockopt(sock, _SOL_SOCKET, _SO_PEERCRED)
         except OSError as e:
             raise PeerCredentialsFailed(e.strerror) from None
         if pid <= 0:
@@ -315,7 +330,7 @@ class PeerIdentifier:
                 # peer_pidfd inline when it is the one in use: one call less
                 # per transaction.
                 pidfd = (
-                    sock.getsockopt(_SOL_SOCKET, SO_PEERPIDFD)
+                    _getsockopt(sock, _SOL_SOCKET, SO_PEERPIDFD)
                     if peerPidfd is peer_pidfd
                     else peerPidfd(sock)
                 )

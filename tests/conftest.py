@@ -153,20 +153,22 @@ def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
 @pytest.fixture(params=["c", "python"])
 def reads(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """
-    Run the test twice: mode received's fast-path reads and closes made by
-    the C helper (C{_hostpid_received}), then by the Python path it must
-    match.  Applies to every L{PassedDescriptors} the test builds without
-    saying which.  The C run fails under C{HOSTPID_REQUIRE_PRIVILEGED=1} if
-    the helper was not built: CI must test what it ships.
+    Run the test twice: the fast path's system calls made by the C helper
+    (C{_hostpid_native}, connections held as descriptors), then by the
+    Python path it must match (socket objects).  Applies to every
+    L{PassedDescriptors} and L{BrokerFactory} the test builds without saying
+    which.  The C run fails under C{HOSTPID_REQUIRE_PRIVILEGED=1} if the
+    helper was not built: CI must test what it ships.
     """
     from support import skip_or_fail
 
-    from hostpid.broker import descriptors
+    from hostpid.broker import connections, descriptors
 
     if request.param == "python":
         monkeypatch.setattr(descriptors, "_native", None)
+        monkeypatch.setattr(connections, "helper", None)
     elif descriptors._native is None:
-        skip_or_fail(f"the C helper _hostpid_received is not built ({descriptors.NATIVE_MISSING})")
+        skip_or_fail(f"the C helper _hostpid_native is not built ({descriptors.NATIVE_MISSING})")
     return str(request.param)
 
 

@@ -892,12 +892,12 @@ def test_containerfile_installs_the_package_and_runs_the_broker() -> None:
     (build,) = [args for keyword, args in instructions[:len(instructions) - len(final)]
                 if keyword == "RUN"]
     assert build.startswith("pip wheel ") and "--no-deps" in build and " . " in build
-    assert "_hostpid_received" in build, "a wheel without the C helper fails the build"
+    assert "_hostpid_native" in build, "a wheel without the C helper fails the build"
     assert ("COPY", "--from=build /wheels /wheels") in final
     (install,) = [args for keyword, args in final if keyword == "RUN"]
     assert install.startswith("pip install /wheels/*.whl "), "the package, with its dependencies"
     assert "[" not in install.split("&&")[0], "no extra: setup.cfg declares none for the broker"
-    assert 'python -c "import _hostpid_received"' in install, "the image carries the C helper"
+    assert 'python -c "import _hostpid_native"' in install, "the image carries the C helper"
     # --metrics needs prometheus-client: a dependency of the package itself.
     setup = configparser.ConfigParser()
     setup.read(REPO / "setup.cfg")

@@ -358,7 +358,7 @@ def test_the_c_helper_is_used_wherever_it_is_built(reads: str) -> None:
     assert PassedDescriptors(BackgroundCloser()).native is (reads == "c")
     assert PassedDescriptors(BackgroundCloser(), native=False).native is False
     if reads == "python":
-        with pytest.raises(RuntimeError, match="_hostpid_received is not built"):
+        with pytest.raises(RuntimeError, match="_hostpid_native is not built"):
             PassedDescriptors(BackgroundCloser(), native=True)
     else:
         native = descriptors._native

@@ -19,6 +19,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from hostpid import wire
+from hostpid.broker.connections import SOCKETS
 from hostpid.broker.descriptors import SCM_MAX_FD, BackgroundCloser, PassedDescriptors
 from hostpid.broker.port import (
     BACKOFF_INITIAL,
@@ -74,7 +75,9 @@ def listener() -> Iterator[ScriptedListener]:
 def make_port(
     clock: MemoryReactorClock, listener: ScriptedListener, fatal: list[Failure]
 ) -> tuple[BrokerPort, list[dict]]:
-    factory = BrokerFactory(clock)
+    # The stand-in scripts the socket module's accept: the accept loop under
+    # test is the same whatever a connection is (connections.py).
+    factory = BrokerFactory(clock, calls=SOCKETS)
     port = BrokerPort("/nonexistent/broker.sock", -1, factory, clock, fatal.append)
     events: list[dict] = []
     port.log = Logger(observer=events.append)

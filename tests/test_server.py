@@ -15,6 +15,7 @@ from twisted.internet.testing import MemoryReactorClock
 from twisted.logger import Logger
 
 from hostpid import wire
+from hostpid.broker.connections import Connection
 from hostpid.broker.server import BrokerFactory, Outcome, answer
 from hostpid.peercred import PeerCredentialsFailed, PeerGone, PeerIdentifier
 
@@ -108,13 +109,33 @@ def test_failure_logs_are_rate_limited(clock) -> None:
     assert [event["count"] for event in events] == [2**n for n in range(10)]
 
 
+def held(factory: BrokerFactory, sock: socket.socket) -> Connection:
+    """
+    C{sock} as the factory's fast path holds a connection just accepted: its
+    bare descriptor where the C helper is in use (the socket object gives it
+    up, so the test's own close of it is a no-op), else the socket object.
+    """
+    return sock.detach() if factory.calls.native else sock
+
+
+@pytest.mark.usefixtures("reads")
 class TestFastPath:
-    """L{BrokerFactory.answerWaiting}, on real sockets."""
+    """
+    L{BrokerFactory.answerWaiting}, on real sockets, held both ways: as
+    descriptors by the C helper's calls, as socket objects by the socket
+    module's.
+    """
+
+    @pytest.fixture
+    def factory(self, reads: str, clock: MemoryReactorClock) -> BrokerFactory:
+        made = BrokerFactory(clock, deadline=DEADLINE, maxConnections=4)
+        assert made.calls.native is (reads == "c")
+        return made
 
     def test_waiting_request_is_answered_without_a_slot(self, factory, pair) -> None:
         server, client = pair
         client.sendall(wire.GET_HOST_PID_REQUEST)
-        assert factory.answerWaiting(server) is None
+        assert factory.answerWaiting(held(factory, server)) is None
         assert client.recv(64) == wire.encode_ok(os.getpid())
         assert client.recv(64) == b"", "closed after the reply"
         assert factory.active == 0
@@ -123,22 +144,35 @@ class TestFastPath:
     def test_waiting_invalid_request(self, factory, pair) -> None:
         server, client = pair
         client.sendall(b"HPID\x00\x01\x00\x07")
-        assert factory.answerWaiting(server) is None
+        assert factory.answerWaiting(held(factory, server)) is None
         assert client.recv(64) == wire.INVALID_REQUEST_RESPONSE
 
     def test_nothing_waiting_goes_to_general_path(self, factory, pair) -> None:
-        assert factory.answerWaiting(pair[0]) == b""
+        conn = held(factory, pair[0])
+        assert factory.answerWaiting(conn) == b""
+        # Still open, for the general path: the client can still be answered.
+        pair[1].sendall(wire.GET_HOST_PID_REQUEST)
+        assert factory.answerWaiting(conn) is None
+        assert pair[1].recv(64) == wire.encode_ok(os.getpid())
 
     def test_partial_request_is_handed_on(self, factory, pair) -> None:
         server, client = pair
+        conn = held(factory, server)
         client.sendall(b"HPI")
-        assert factory.answerWaiting(server) == b"HPI"
+        assert factory.answerWaiting(conn) == b"HPI"
+        factory.calls.socketOf(conn).close()
 
     def test_client_already_gone(self, factory, pair) -> None:
         server, client = pair
+        conn = held(factory, server)
         client.close()
-        assert factory.answerWaiting(server) is None
+        assert factory.answerWaiting(conn) is None
         assert factory.counts[Outcome.SHORT] == 1
+        if factory.calls.native:
+            with pytest.raises(OSError):  # closed: the descriptor is not open any more
+                os.fstat(conn)
+        else:
+            assert conn.fileno() == -1, "closed"
 
 
 class AcceptTimeIdentifier(RecordingIdentifier):
@@ -159,6 +193,6 @@ def test_the_fast_path_reads_the_accept_time_before_the_request(pair) -> None:
     identifier = AcceptTimeIdentifier()
     factory = BrokerFactory(MemoryReactorClock(), deadline=DEADLINE, identifier=identifier)
     pair[1].sendall(wire.GET_HOST_PID_REQUEST)
-    assert factory.answerWaiting(pair[0]) is None
+    assert factory.answerWaiting(held(factory, pair[0])) is None
     assert pair[1].recv(64) == wire.encode_ok(7)
     assert identifier.accepted == [1000]

@@ -45,10 +45,11 @@ first and take only bytes that carry no descriptor
 descriptors is then handed to the closer whole, unread.
 
 The fast path's reads and closes (L{PassedDescriptors.readFirst},
-L{PassedDescriptors.release}) make their system calls through the C helper
-C{_hostpid_received} (C{native/}) where it is built: the same calls in the
-same order, about 3 us cheaper per connection than through the socket
-module, and nothing decided in C.  Where it is not built (no compiler at
+L{PassedDescriptors.releaseDescriptor}) make their system calls through the
+C helper C{_hostpid_native} (C{native/}) where it is built: the same calls
+in the same order, about 3 us cheaper per connection than through the
+socket module, and nothing decided in C.  There the fast path's connections
+are bare descriptors (L{hostpid.broker.connections}).  Where it is not built (no compiler at
 install) the Python path below makes them, and is the reference the C one
 is tested against.
 
@@ -77,15 +78,8 @@ from twisted.logger import Logger
 
 from hostpid import defaults
 from hostpid.broker.closewatch import CloseGuard, CloseWatch, default_watch
-
-try:
-    import _hostpid_received as _native
-except ImportError as e:
-    _native = None  # type: ignore[assignment]
-    #: Why the C helper is not in use (for the broker's start-up log line).
-    NATIVE_MISSING: str | None = str(e)
-else:
-    NATIVE_MISSING = None
+from hostpid.broker.connections import NATIVE_MISSING
+from hostpid.broker.connections import helper as _native
 
 #: C{SO_PASSRIGHTS} from C{asm-generic/socket.h} (Linux 6.16); Python 3.11 has no constant.
 SO_PASSRIGHTS = 83
@@ -360,7 +354,8 @@ class PassedDescriptors:
         @param outOfBand: by default, asked of the kernel once
             (L{unix_out_of_band_supported}).
         @param native: whether L{readFirst} and L{release} make their system
-            calls through the C helper; by default, wherever it is built.
+            calls through the C helper (and L{releaseDescriptor} can be
+            used); by default, wherever it is built.
         @raise RuntimeError: C{native} is true and the helper is not built.
         """
         self.outOfBand = unix_out_of_band_supported() if outOfBand is None else outOfBand
@@ -387,7 +382,7 @@ class PassedDescriptors:
         if native is None:
             native = _native is not None
         elif native and _native is None:
-            raise RuntimeError(f"the C helper _hostpid_received is not built: {NATIVE_MISSING}")
+            raise RuntimeError(f"the C helper _hostpid_native is not built: {NATIVE_MISSING}")
         #: Whether the fast path's calls go through the C helper.
         self.native = native
         if native:
@@ -461,7 +456,8 @@ class PassedDescriptors:
 
     def readFirst(self, sock: _socket.socket, size: int, connections: int) -> bytes | None:
         """
-        The fast path's read of a connection just accepted, with
+        The fast path's read of a connection just accepted (a socket object;
+        where L{native}, its descriptor will do), with
         C{connections} open (the factory's count, passed in so that no
         callback is asked on every transaction): L{prepare}, then L{receive}
         with room or L{receiveWithoutRoom} without.
@@ -477,12 +473,14 @@ class PassedDescriptors:
             data, carried = self.receiveWithoutRoom(sock, size)
         return None if carried else data
 
-    def _readFirstNative(self, sock: _socket.socket, size: int, connections: int) -> bytes | None:
+    def _readFirstNative(
+        self, sock: _socket.socket | int, size: int, connections: int
+    ) -> bytes | None:
         """L{readFirst}, its system calls made by the C helper (C{read})."""
         room = self.hasRoom(connections)
         if not room:
             self.withoutRoom += 1
-        got = _native.read(sock.fileno(), size, self.outOfBand, room)
+        got = _native.read(sock, size, self.outOfBand, room)
         if isinstance(got, bytes):
             return got
         self._disposeDescriptors(got)
@@ -565,12 +563,17 @@ class PassedDescriptors:
         return self._drain(sock)
 
     def _releaseNative(self, sock: _socket.socket, reply: bytes | None = None) -> bool:
+        """L{release} where L{native}: L{releaseDescriptor} of C{sock}'s descriptor."""
+        return self.releaseDescriptor(sock.detach(), reply)
+
+    def releaseDescriptor(self, fd: int, reply: bytes | None = None) -> bool:
         """
-        L{release}, its common case (the reply, shutdown, peek, close) one
-        call to the C helper, watched as a close: the rest, as rare as it
-        is, is L{release}'s own.
+        L{release} of a connection held as its bare descriptor (the fast
+        path's, L{hostpid.broker.connections}), which it takes over; only
+        where L{native}.  The common case (the reply, shutdown, peek, close)
+        is one call to the C helper, watched as a close: the rest, as rare
+        as it is, is L{release}'s own.
         """
-        fd = sock.detach()
         guard = self.guard
         guard.closes += 1
         guard.busy = True

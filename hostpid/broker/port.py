@@ -31,10 +31,8 @@ receiving fast path.
 
 from __future__ import annotations
 
-import _socket
 import errno
 import os
-import socket
 import stat
 from collections.abc import Callable
 from typing import Any
@@ -45,6 +43,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from hostpid import defaults
+from hostpid.broker.connections import Connection
 from hostpid.broker.descriptors import (
     DescriptorMode,
     PassedDescriptors,
@@ -65,8 +64,6 @@ RESOURCE_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.EN
 #: Accept errors that concern one connection only: skip it.
 CONNECTION_ERRORS = frozenset({errno.ECONNABORTED, errno.EPERM, errno.EPROTO, errno.EINTR})
 
-_AF_UNIX = int(socket.AF_UNIX)
-_SOCK_STREAM = int(socket.SOCK_STREAM)
 
 BACKOFF_INITIAL = 0.005
 BACKOFF_MAX = 1.0
@@ -129,6 +126,7 @@ class BrokerPort(unix.Port):
         self.pausedSince: float | None = None
         self.pauseReason: str | None = None
         self._pauseReported = False
+        self._acceptOne: Callable[[], Connection] | None = None
 
     def startListening(self) -> None:
         """
@@ -177,7 +175,11 @@ class BrokerPort(unix.Port):
             self.descriptorMode = DescriptorMode.RECEIVED
             factory = self.factory
             self.factory.receiveDescriptors(
-                PassedDescriptors(connections=lambda: factory.active, reactor=self.reactor)
+                PassedDescriptors(
+                    connections=lambda: factory.active,
+                    reactor=self.reactor,
+                    native=factory.calls.native,
+                )
             )
         skt.listen(self.backlog)
         self.factory.doStart()
@@ -190,11 +192,12 @@ class BrokerPort(unix.Port):
         """
         Accept what is waiting, each connection fast path first.
 
-        Connections are accepted with the listener's C-level C{_accept} and
-        wrapped in the C-level socket type: C{socket.socket.accept()} builds
-        an instance of the Python subclass for each one, which costs about
-        2.5 us more per connection (measured), and under a flood the broker
-        accepts every connection only to close most of them.
+        Connections are accepted as the factory's L{ConnectionCalls} make
+        them (bare descriptors where the C helper is built, C-level socket
+        objects where not): under a flood the broker accepts every
+        connection only to close most of them, so what one costs is what
+        the flood costs.  One that the fast path does not answer goes to the
+        waiting room as a socket object.
 
         How many to accept this turn adapts, as Twisted's own port does: as
         many as last turn found waiting, doubling while the queue does not
@@ -220,15 +223,17 @@ class BrokerPort(unix.Port):
         end of a pause, the backoff's reset) is done once, after the first
         accept that succeeds.
         """
-        accept = self.socket._accept  # type: ignore[union-attr]
+        accept = self._acceptOne
+        if accept is None:
+            accept = self._acceptOne = factory.calls.acceptorFor(self.socket)
         admit = self.room.admit
         answerWaiting = factory.answerWaiting
-        newSocket = _socket.socket
+        socketOf = factory.calls.socketOf
         turn = self._acceptsPerTurn
         accepted = 0
         for _ in range(turn):
             try:
-                fd, _addr = accept()
+                conn = accept()
             except BlockingIOError:
                 self._acceptsPerTurn = max(1, accepted)
                 if self.pausedSince is not None:
@@ -247,12 +252,9 @@ class BrokerPort(unix.Port):
                     self._pauseEnded()
                 self._backoff = BACKOFF_INITIAL
             accepted += 1
-            # Plain ints: the module's constants are enum members.  (CPython
-            # still asks getsockname of the descriptor, whatever is passed.)
-            skt = newSocket(_AF_UNIX, _SOCK_STREAM, 0, fd)
-            prefix = answerWaiting(skt)
+            prefix = answerWaiting(conn)
             if prefix is not None:
-                admit(skt, prefix)
+                admit(socketOf(conn), prefix)
         self._acceptsPerTurn = min(turn * 2, ACCEPTS_PER_TURN)
 
     def _pauseAccepting(self, error: OSError) -> None:

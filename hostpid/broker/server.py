@@ -21,7 +21,6 @@ Two pieces here, and the general path beside them:
 
 from __future__ import annotations
 
-import _socket
 import bisect
 import enum
 import socket
@@ -33,6 +32,7 @@ from twisted.internet.protocol import Factory
 from twisted.logger import Logger
 
 from hostpid import defaults, wire
+from hostpid.broker.connections import Connection, ConnectionCalls, default_calls
 from hostpid.broker.descriptors import PassedDescriptors
 from hostpid.peercred import PeerGone, PeerIdentifier, PeerUnverified
 
@@ -126,10 +126,11 @@ class LatencyHistogram:
 
 
 def answer(
-    request: bytes, sock: _socket.socket, identifier: PeerIdentifier, accepted: int = 0
+    request: bytes, sock: Connection, identifier: PeerIdentifier, accepted: int = 0
 ) -> tuple[Outcome, bytes | None]:
     """
-    Decide the reply to C{request} (exactly 8 bytes) arriving on C{sock},
+    Decide the reply to C{request} (exactly 8 bytes) arriving on C{sock} (a
+    socket object, or a fast-path connection: L{hostpid.broker.connections}),
     accepted at C{accepted} (the identifier's L{PeerIdentifier.acceptClock},
     or 0 where it needs none).
 
@@ -184,10 +185,14 @@ class BrokerFactory(Factory):
         maxConnections: int = defaults.MAX_CONNECTIONS,
         identifier: PeerIdentifier | None = None,
         maxPerPeer: int | None = None,
+        calls: ConnectionCalls | None = None,
     ) -> None:
         """
         @param maxPerPeer: waiting connections one peer (PID) may hold; by
             default L{max_waiting_per_peer} of C{maxConnections}.
+        @param calls: what the fast path's connections are and the calls
+            made on them; by default descriptors where the C helper is
+            built (L{hostpid.broker.connections.default_calls}).
         """
         self.clock = clock
         self.identifier = identifier if identifier is not None else PeerIdentifier()
@@ -205,6 +210,13 @@ class BrokerFactory(Factory):
         self.answeredAtAccept = 0
         #: Set by L{receiveDescriptors} where the kernel cannot refuse them.
         self.passed: PassedDescriptors | None = None
+        #: What the port accepts, and what L{answerWaiting} is given.
+        self.calls = calls if calls is not None else default_calls()
+        # Bound once: the fast path makes these calls on every transaction.
+        self._recv = self.calls.recv
+        self._send = self.calls.send
+        self._close = self.calls.close
+        self._release: Callable[[Connection, bytes | None], bool] | None = None
 
     def transactionStarted(self) -> None:
         """A connection took a slot."""
@@ -248,17 +260,22 @@ class BrokerFactory(Factory):
         path becomes L{answerWaitingReceiving}; the general path
         (L{hostpid.broker.waiting}) reads and closes through C{passed} too.
         """
+        if self.calls.native and not passed.native:
+            raise ValueError("connections held as descriptors need the C helper's release")
         self.passed = passed
+        self._release = passed.releaseDescriptor if self.calls.native else passed.release
         self.answerWaiting = self.answerWaitingReceiving  # type: ignore[method-assign]
 
-    def answerWaiting(self, sock: _socket.socket) -> bytes | None:
+    def answerWaiting(self, sock: Connection) -> bytes | None:
         """
-        The fast path, for a connection just accepted, where the kernel
-        refuses passed descriptors (so a plain C{recv} cannot meet one).
+        The fast path, for a connection just accepted (of the kind
+        L{calls} makes), where the kernel refuses passed descriptors (so a
+        plain C{recv} cannot meet one).
 
         If its whole request is already waiting, answer it now and close the
-        socket: return C{None}.  Otherwise return the bytes read so far (maybe
-        none) for the general path to continue from.  Never blocks.
+        connection: return C{None}.  Otherwise return the bytes read so far
+        (maybe none) for the general path to continue from, the connection
+        still open.  Never blocks.
         """
         acceptClock = self.identifier.acceptClock
         accepted = acceptClock() if acceptClock is not None else 0
@@ -266,27 +283,27 @@ class BrokerFactory(Factory):
             # Read a little more than the request: bytes after the 8th are
             # ignored, and swallowing them here means closing the socket does
             # not reset the connection before the client reads its reply.
-            data = sock.recv(_FAST_READ, _RECV_FLAGS)
+            data = self._recv(sock, _FAST_READ, _RECV_FLAGS)
         except BlockingIOError:
             return b""
         except OSError:
-            sock.close()
+            self._close(sock)
             self.record(Outcome.SHORT)
             return None
         if len(data) < _REQUEST_SIZE:
             if data:
                 return data
             # End of file before any byte: the client went away.
-            sock.close()
+            self._close(sock)
             self.record(Outcome.SHORT)
             return None
         outcome, reply = answer(data[:_REQUEST_SIZE], sock, self.identifier, accepted)
         if reply is not None:
             try:
-                sock.send(reply, _SEND_FLAGS)
+                self._send(sock, reply, _SEND_FLAGS)
             except OSError:
                 pass
-        sock.close()
+        self._close(sock)
         if outcome is _OK:
             # Counted here, timed per accept batch by the port (observeAccepted):
             # no clock read and no histogram work per answer.
@@ -306,7 +323,7 @@ class BrokerFactory(Factory):
         count, self.answeredAtAccept = self.answeredAtAccept, 0
         self.latency.observe(self.clock.seconds() - started, count)
 
-    def answerWaitingReceiving(self, sock: _socket.socket) -> bytes | None:
+    def answerWaitingReceiving(self, sock: Connection) -> bytes | None:
         """
         L{answerWaiting} where clients can pass descriptors: read with room
         for them, answer no message that carried any (outcome
@@ -316,8 +333,8 @@ class BrokerFactory(Factory):
         (L{PassedDescriptors.hasRoom}) the read peeks first and takes only
         bytes that carry no descriptor.
         """
-        passed = self.passed
-        assert passed is not None
+        passed, release = self.passed, self._release
+        assert passed is not None and release is not None
         acceptClock = self.identifier.acceptClock
         accepted = acceptClock() if acceptClock is not None else 0
         try:
@@ -325,22 +342,22 @@ class BrokerFactory(Factory):
         except BlockingIOError:
             return b""
         except OSError:
-            passed.release(sock)
+            release(sock, None)
             self.record(Outcome.SHORT)
             return None
         if data is None:
-            passed.release(sock)
+            release(sock, None)
             self.record(Outcome.DESCRIPTORS)
             return None
         if len(data) < _REQUEST_SIZE:
             if data:
                 return data
-            passed.release(sock)
+            release(sock, None)
             self.record(Outcome.SHORT)
             return None
         outcome, reply = answer(data[:_REQUEST_SIZE], sock, self.identifier, accepted)
         # The reply is sent by the release, in the same call to the C helper.
-        if passed.release(sock, reply):
+        if release(sock, reply):
             # Descriptors arrived after the request: the reply is already
             # sent, but the transaction is counted for what the client did.
             outcome = Outcome.DESCRIPTORS

@@ -136,6 +136,10 @@ def test_passed_lingering_socket_does_not_freeze_the_broker(
             # unit tests of both paths are tests/test_descriptors.py's).
             built = descriptors._native is not None
             assert ("made by the C helper" in broker.output()) is built, broker.output()
+        # Connections held as descriptors in both modes, wherever it is built.
+        assert ("connections held as descriptors" in broker.output()) is (
+            descriptors._native is not None
+        ), broker.output()
 
 
 @kernel_feature("SO_PASSRIGHTS")
