@@ -151,21 +151,33 @@ passed_descriptors(struct msghdr *msg)
     return fds;
 }
 
-/* recvmsg, retried after EINTR as the socket module does (PEP 475). */
+/*
+ * After a system call failed: 1 to make it again (EINTR, and no Python
+ * signal handler raised: PEP 475, as the socket module does), 0 to report
+ * errno, -1 if a handler raised (its exception is set).
+ */
+static int
+again(void)
+{
+    if (errno != EINTR) {
+        return 0;
+    }
+    return PyErr_CheckSignals() < 0 ? -1 : 1;
+}
+
+/* recvmsg, retried after EINTR; -2 if a signal handler raised. */
 static ssize_t
 receive(int fd, struct msghdr *msg, int flags)
 {
     ssize_t n;
-    for (;;) {
-        n = recvmsg(fd, msg, flags);
-        if (n >= 0 || errno != EINTR) {
-            break;
-        }
-        if (PyErr_CheckSignals() < 0) {
+    int retry = 0;
+
+    while ((n = recvmsg(fd, msg, flags)) < 0 && (retry = again()) > 0) {
+    }
+    if (n < 0) {
+        if (retry < 0) {
             return -2;
         }
-    }
-    if (n == -1) {
         PyErr_SetFromErrno(PyExc_OSError);
     }
     return n;
@@ -229,13 +241,13 @@ PyDoc_STRVAR(recv_doc,
 static PyObject *
 native_recv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    int fd, flags;
+    int fd, flags, retry = 0;
     Py_ssize_t size;
     ssize_t n;
     char data[READ_MAX];
 
-    if (check_args(nargs, 3, "recv() takes sock, size, flags") < 0 || as_socket_fd(args[0], &fd) < 0
-        || as_int(args[2], &flags) < 0) {
+    if (check_args(nargs, 3, "recv() takes sock, size, flags") < 0
+        || as_socket_fd(args[0], &fd) < 0 || as_int(args[2], &flags) < 0) {
         return NULL;
     }
     size = PyLong_AsSsize_t(args[1]);
@@ -246,17 +258,10 @@ native_recv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "size out of range");
         return NULL;
     }
-    for (;;) {
-        n = recv(fd, data, (size_t)size, flags);
-        if (n >= 0 || errno != EINTR) {
-            break;
-        }
-        if (PyErr_CheckSignals() < 0) {
-            return NULL;
-        }
+    while ((n = recv(fd, data, (size_t)size, flags)) < 0 && (retry = again()) > 0) {
     }
     if (n < 0) {
-        return PyErr_SetFromErrno(PyExc_OSError);
+        return retry < 0 ? NULL : PyErr_SetFromErrno(PyExc_OSError);
     }
     return PyBytes_FromStringAndSize(data, n);
 }
@@ -265,33 +270,25 @@ PyDoc_STRVAR(send_doc,
 "send(sock, data, flags) -> int\n"
 "\n"
 "send(2) on sock (a descriptor, or an object with fileno()): the bytes\n"
-"sent, retried after EINTR.  Raises\n"
-"OSError as send.");
+"sent, retried after EINTR.  Raises OSError as send.");
 
 static PyObject *
 native_send(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    int fd, flags;
+    int fd, flags, retry = 0;
     char *data;
     Py_ssize_t length;
     ssize_t n;
 
-    if (check_args(nargs, 3, "send() takes sock, data, flags") < 0 || as_socket_fd(args[0], &fd) < 0
-        || as_int(args[2], &flags) < 0
+    if (check_args(nargs, 3, "send() takes sock, data, flags") < 0
+        || as_socket_fd(args[0], &fd) < 0 || as_int(args[2], &flags) < 0
         || PyBytes_AsStringAndSize(args[1], &data, &length) < 0) {
         return NULL;
     }
-    for (;;) {
-        n = send(fd, data, (size_t)length, flags);
-        if (n >= 0 || errno != EINTR) {
-            break;
-        }
-        if (PyErr_CheckSignals() < 0) {
-            return NULL;
-        }
+    while ((n = send(fd, data, (size_t)length, flags)) < 0 && (retry = again()) > 0) {
     }
     if (n < 0) {
-        return PyErr_SetFromErrno(PyExc_OSError);
+        return retry < 0 ? NULL : PyErr_SetFromErrno(PyExc_OSError);
     }
     return PyLong_FromSsize_t(n);
 }
