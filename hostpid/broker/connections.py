@@ -7,7 +7,7 @@ is its bare descriptor, an C{int}, from C{accept} to C{close}.  No socket
 object is built for it, so there is no C{getsockname} (CPython's socket
 constructor asks it of every descriptor it is given), no address asked of
 C{accept} and thrown away, and no GIL dropped and taken again around each
-call: about 2 us less per transaction, in both descriptor modes
+call: 1-3 us less per transaction, in both descriptor modes
 (C{docs/performance.md}, "fifth look").  Where the helper is not built, a
 connection is a C{_socket.socket} and the calls are the socket module's
 methods, the reference the helper's calls must match: the same system
