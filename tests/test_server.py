@@ -7,15 +7,18 @@ request, is tested in C{test_waiting.py}.
 
 from __future__ import annotations
 
+import array
 import os
 import socket
+from collections.abc import Iterator
 
 import pytest
 from twisted.internet.testing import MemoryReactorClock
 from twisted.logger import Logger
 
 from hostpid import wire
-from hostpid.broker.connections import Connection
+from hostpid.broker.connections import Connection, descriptor_calls
+from hostpid.broker.descriptors import BackgroundCloser, PassedDescriptors
 from hostpid.broker.server import BrokerFactory, Outcome, answer
 from hostpid.peercred import PeerCredentialsFailed, PeerGone, PeerIdentifier
 
@@ -173,6 +176,62 @@ class TestFastPath:
                 os.fstat(conn)
         else:
             assert conn.fileno() == -1, "closed"
+
+
+@pytest.mark.usefixtures("reads")
+class TestReceivingFastPath:
+    """
+    L{BrokerFactory.answerWaitingReceiving} (mode received), held both ways:
+    a request is answered and the connection released; a message that
+    carried a descriptor gets no reply, and the descriptor is disposed of.
+    """
+
+    @pytest.fixture
+    def factory(self, reads: str, clock: MemoryReactorClock) -> Iterator[BrokerFactory]:
+        made = BrokerFactory(clock, deadline=DEADLINE, maxConnections=4)
+        passed = PassedDescriptors(BackgroundCloser(threads=1), native=made.calls.native)
+        made.receiveDescriptors(passed)
+        yield made
+        passed.stop()
+
+    def test_answered_and_released(self, factory, pair) -> None:
+        server, client = pair
+        client.sendall(wire.GET_HOST_PID_REQUEST)
+        assert factory.answerWaiting(held(factory, server)) is None
+        assert client.recv(64) == wire.encode_ok(os.getpid())
+        assert client.recv(64) == b"", "closed after the reply"
+        assert factory.counts[Outcome.OK] == 1
+
+    def test_a_passed_descriptor_gets_no_reply(self, factory, pair) -> None:
+        server, client = pair
+        read, write = os.pipe()
+        client.sendmsg([wire.GET_HOST_PID_REQUEST], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                                      array.array("i", [read]))])
+        os.close(read)
+        assert factory.answerWaiting(held(factory, server)) is None
+        assert client.recv(64) == b"", "no reply"
+        assert factory.counts[Outcome.DESCRIPTORS] == 1
+        assert factory.passed is not None and factory.passed.received == 1
+        os.close(write)
+
+
+def test_descriptor_connections_need_the_helpers_release(reads: str, clock) -> None:
+    """
+    A factory holding descriptors cannot be given the Python path's release
+    (it would be handed ints it cannot close); one holding socket objects
+    takes it.
+    """
+    passed = PassedDescriptors(BackgroundCloser(), native=False)
+    if reads == "c":
+        factory = BrokerFactory(clock, calls=descriptor_calls())
+        with pytest.raises(ValueError, match="need the C helper's release"):
+            factory.receiveDescriptors(passed)
+        assert factory.passed is None
+    else:
+        factory = BrokerFactory(clock)
+        factory.receiveDescriptors(passed)
+        assert factory.passed is passed
+    passed.stop()
 
 
 class AcceptTimeIdentifier(RecordingIdentifier):

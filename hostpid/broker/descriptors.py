@@ -48,10 +48,10 @@ The fast path's reads and closes (L{PassedDescriptors.readFirst},
 L{PassedDescriptors.releaseDescriptor}) make their system calls through the
 C helper C{_hostpid_native} (C{native/}) where it is built: the same calls
 in the same order, about 3 us cheaper per connection than through the
-socket module, and nothing decided in C.  There the fast path's connections
-are bare descriptors (L{hostpid.broker.connections}).  Where it is not built (no compiler at
-install) the Python path below makes them, and is the reference the C one
-is tested against.
+socket module, and nothing decided in C.  There the fast path's
+connections are bare descriptors (L{hostpid.broker.connections}).  Where
+it is not built (no compiler at install) the Python path below makes them,
+and is the reference the C one is tested against.
 
 No close holds a thread for long (L{hostpid.broker.closewatch}): the
 closer's threads and the reactor's own closes are watched, and a close still

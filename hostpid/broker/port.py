@@ -186,6 +186,8 @@ class BrokerPort(unix.Port):
         self.connected = True
         self.socket = skt
         self.fileno = skt.fileno  # type: ignore[method-assign]
+        # Bound to this listener on the first accept (it holds its number).
+        self._acceptOne = None
         self.startReading()
 
     def doRead(self) -> None:
@@ -353,6 +355,7 @@ class BrokerPort(unix.Port):
         if self._resume is not None and self._resume.active():
             self._resume.cancel()
         self._resume = None
+        self._acceptOne = None
         passed = self.factory.passed
         if passed is not None:
             # Its guard watches the reactor's closes of connections: forgotten
