@@ -178,12 +178,12 @@ class TestFastPath:
             assert conn.fileno() == -1, "closed"
 
 
-@pytest.mark.usefixtures("reads")
-class TestReceivingFastPath:
+class TestReceivingFastPath(TestFastPath):
     """
-    L{BrokerFactory.answerWaitingReceiving} (mode received), held both ways:
-    a request is answered and the connection released; a message that
-    carried a descriptor gets no reply, and the descriptor is disposed of.
+    The same, in mode received (L{BrokerFactory.answerWaitingReceiving}):
+    reads with room for passed descriptors, releases through
+    L{PassedDescriptors}; and a message that carried a descriptor gets no
+    reply, the descriptor disposed of.
     """
 
     @pytest.fixture
@@ -193,14 +193,6 @@ class TestReceivingFastPath:
         made.receiveDescriptors(passed)
         yield made
         passed.stop()
-
-    def test_answered_and_released(self, factory, pair) -> None:
-        server, client = pair
-        client.sendall(wire.GET_HOST_PID_REQUEST)
-        assert factory.answerWaiting(held(factory, server)) is None
-        assert client.recv(64) == wire.encode_ok(os.getpid())
-        assert client.recv(64) == b"", "closed after the reply"
-        assert factory.counts[Outcome.OK] == 1
 
     def test_a_passed_descriptor_gets_no_reply(self, factory, pair) -> None:
         server, client = pair
