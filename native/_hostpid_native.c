@@ -209,6 +209,21 @@ as_int(PyObject *value, int *out)
     return 0;
 }
 
+/* A read's size: 1 to READ_MAX (the buffers are on the stack). */
+static int
+as_read_size(PyObject *value, Py_ssize_t *size)
+{
+    *size = PyLong_AsSsize_t(value);
+    if (*size == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (*size < 1 || *size > READ_MAX) {
+        PyErr_SetString(PyExc_ValueError, "size out of range");
+        return -1;
+    }
+    return 0;
+}
+
 PyDoc_STRVAR(accept_doc,
 "accept(listener) -> int\n"
 "\n"
@@ -247,15 +262,8 @@ native_recv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     char data[READ_MAX];
 
     if (check_args(nargs, 3, "recv() takes sock, size, flags") < 0
-        || as_socket_fd(args[0], &fd) < 0 || as_int(args[2], &flags) < 0) {
-        return NULL;
-    }
-    size = PyLong_AsSsize_t(args[1]);
-    if (size == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    if (size < 1 || size > READ_MAX) {
-        PyErr_SetString(PyExc_ValueError, "size out of range");
+        || as_socket_fd(args[0], &fd) < 0 || as_int(args[2], &flags) < 0
+        || as_read_size(args[1], &size) < 0) {
         return NULL;
     }
     while ((n = recv(fd, data, (size_t)size, flags)) < 0 && (retry = again()) > 0) {
@@ -333,10 +341,8 @@ native_getsockopt(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     int fd, level, option, value = 0;
     socklen_t length = sizeof value;
 
-    if (check_args(nargs, 3, "getsockopt() takes sock, level, option") < 0) {
-        return NULL;
-    }
-    if (as_socket_fd(args[0], &fd) < 0 || as_int(args[1], &level) < 0
+    if (check_args(nargs, 3, "getsockopt() takes sock, level, option") < 0
+        || as_socket_fd(args[0], &fd) < 0 || as_int(args[1], &level) < 0
         || as_int(args[2], &option) < 0) {
         return NULL;
     }
@@ -376,19 +382,8 @@ native_read(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     struct iovec iov;
     struct msghdr msg;
 
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "read() takes sock, size, oobinline, room");
-        return NULL;
-    }
-    if (as_socket_fd(args[0], &fd) < 0) {
-        return NULL;
-    }
-    size = PyLong_AsSsize_t(args[1]);
-    if (size == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    if (size < 1 || size > READ_MAX) {
-        PyErr_SetString(PyExc_ValueError, "size out of range");
+    if (check_args(nargs, 4, "read() takes sock, size, oobinline, room") < 0
+        || as_socket_fd(args[0], &fd) < 0 || as_read_size(args[1], &size) < 0) {
         return NULL;
     }
     if ((oobinline = PyObject_IsTrue(args[2])) < 0 || (room = PyObject_IsTrue(args[3])) < 0) {
@@ -465,11 +460,7 @@ native_release(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     char byte;
     ssize_t n;
 
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "release() takes fd, reply");
-        return NULL;
-    }
-    if (as_fd(args[0], &fd) < 0) {
+    if (check_args(nargs, 2, "release() takes fd, reply") < 0 || as_fd(args[0], &fd) < 0) {
         return NULL;
     }
     if (args[1] != Py_None) {

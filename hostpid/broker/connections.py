@@ -47,8 +47,13 @@ else:
 #: built, a socket object where not (one kind per L{ConnectionCalls}).
 Connection = Any
 
-_AF_UNIX = int(_socket.AF_UNIX)
-_SOCK_STREAM = int(_socket.SOCK_STREAM)
+#: The socket object for a descriptor of an accepted Unix stream
+#: connection, which owns it from then on.  Plain ints (the socket module's
+#: constants are enum members), and a C-level partial: no Python frame on
+#: the fallback's accept path.
+unix_socket = functools.partial(
+    _socket.socket, int(_socket.AF_UNIX), int(_socket.SOCK_STREAM), 0
+)
 
 
 @attrs.frozen
@@ -80,11 +85,6 @@ def _descriptor_acceptor(listener: _socket.socket) -> Callable[[], int]:
     return functools.partial(helper.accept, listener.fileno())
 
 
-def _descriptor_socket(fd: int) -> _socket.socket:
-    # Plain ints: the socket module's constants are enum members.
-    return _socket.socket(_AF_UNIX, _SOCK_STREAM, 0, fd)
-
-
 def _socket_acceptor(listener: _socket.socket) -> Callable[[], _socket.socket]:
     # The C-level accept and socket type: socket.socket.accept() builds an
     # instance of the Python subclass for each connection, about 2.5 us
@@ -93,7 +93,7 @@ def _socket_acceptor(listener: _socket.socket) -> Callable[[], _socket.socket]:
 
     def acceptOne() -> _socket.socket:
         fd, _address = accept()
-        return _socket.socket(_AF_UNIX, _SOCK_STREAM, 0, fd)
+        return unix_socket(fd)
 
     return acceptOne
 
@@ -127,7 +127,7 @@ def descriptor_calls() -> ConnectionCalls:
         recv=helper.recv,
         send=helper.send,
         close=helper.close,
-        socketOf=_descriptor_socket,
+        socketOf=unix_socket,
     )
 
 

@@ -78,7 +78,7 @@ from twisted.logger import Logger
 
 from hostpid import defaults
 from hostpid.broker.closewatch import CloseGuard, CloseWatch, default_watch
-from hostpid.broker.connections import NATIVE_MISSING
+from hostpid.broker.connections import NATIVE_MISSING, unix_socket
 from hostpid.broker.connections import helper as _native
 
 #: C{SO_PASSRIGHTS} from C{asm-generic/socket.h} (Linux 6.16); Python 3.11 has no constant.
@@ -103,8 +103,6 @@ _DONTWAIT = int(socket.MSG_DONTWAIT)
 _SEND_FLAGS = int(socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
 _SOL_SOCKET = int(socket.SOL_SOCKET)
 _INTERNET = frozenset({int(socket.AF_INET), int(socket.AF_INET6)})
-_AF_UNIX = int(socket.AF_UNIX)
-_SOCK_STREAM = int(socket.SOCK_STREAM)
 _RELEASE_CLOSED = getattr(_native, "RELEASE_CLOSED", 0)
 _RELEASE_QUEUED = getattr(_native, "RELEASE_QUEUED", 2)
 _LINGER_RESET = struct.pack("ii", 1, 0)
@@ -582,7 +580,7 @@ class PassedDescriptors:
         if status == _RELEASE_CLOSED:
             return False
         if status == _RELEASE_QUEUED:
-            return self._drain(_socket.socket(_AF_UNIX, _SOCK_STREAM, 0, fd))
+            return self._drain(unix_socket(fd))
         self.closer.submit(fd)
         return False
 
