@@ -189,7 +189,7 @@ class TestReceivingFastPath(TestFastPath):
     @pytest.fixture
     def factory(self, reads: str, clock: MemoryReactorClock) -> Iterator[BrokerFactory]:
         made = BrokerFactory(clock, deadline=DEADLINE, maxConnections=4)
-        passed = PassedDescriptors(BackgroundCloser(threads=1), native=made.calls.native)
+        passed = PassedDescriptors(BackgroundCloser(), native=made.calls.native)
         made.receiveDescriptors(passed)
         yield made
         passed.stop()

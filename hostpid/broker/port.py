@@ -72,11 +72,7 @@ BACKOFF_MAX = 1.0
 #: sockets are served even under a flood.
 ACCEPTS_PER_TURN = 128
 
-#: While the background closer is saturated, how often to look again.
-CLOSER_RECHECK = 0.05
-
 #: Why accepting may pause (L{BrokerPort.pauseReason}).
-PAUSE_CLOSER = "passed descriptors still closing fill the background closer"
 PAUSE_RESOURCES = "out of descriptors or memory (accept fails with EMFILE/ENFILE/ENOBUFS/ENOMEM)"
 #: A pause this long (seconds) is logged once and fails readiness.
 PAUSE_REPORTED_AFTER = 1.0
@@ -121,7 +117,6 @@ class BrokerPort(unix.Port):
         self._acceptsPerTurn = 1
         self._resume: IDelayedCall | None = None
         self.resourceErrors = 0
-        self.closerPauses = 0
         #: While accepting is paused: since when (on the reactor's clock), and why.
         self.pausedSince: float | None = None
         self.pauseReason: str | None = None
@@ -208,9 +203,6 @@ class BrokerPort(unix.Port):
         second C{accept} that fails with EAGAIN.
         """
         factory = self.factory
-        if factory.passed is not None and factory.passed.closer.saturated:
-            self._waitForCloser()
-            return
         started = self._clock.seconds()
         try:
             self._acceptBatch(factory)
@@ -278,24 +270,6 @@ class BrokerPort(unix.Port):
         self.stopReading()
         self._resume = self._clock.callLater(self._backoff, self._resumeAccepting)
         self._backoff = min(self._backoff * 2, BACKOFF_MAX)
-
-    def _waitForCloser(self) -> None:
-        """
-        Every background closer thread is stuck on a descriptor some client
-        passed, and the queue is full: accept nothing until it drains, since
-        each new connection could bring more.  The reactor stays free.
-        """
-        self.closerPauses += 1
-        if self.closerPauses & (self.closerPauses - 1) == 0:
-            self.log.warn(
-                "hostpid-broker: {pending} passed descriptors still closing; not accepting "
-                "until the background closer catches up (pauses so far: {count})",
-                pending=self.factory.passed.closer.pending,  # type: ignore[union-attr]
-                count=self.closerPauses,
-            )
-        self._paused(PAUSE_CLOSER)
-        self.stopReading()
-        self._resume = self._clock.callLater(CLOSER_RECHECK, self._resumeAccepting)
 
     def _paused(self, reason: str) -> None:
         """Accepting is paused for C{reason}; say so once it lasts."""
