@@ -340,7 +340,14 @@ class BackgroundCloser:
             return
         done = current.closed - before
         self.pending -= done
-        self._closed += done
+        previous, self._closed = self._closed, self._closed + done
+        if previous.bit_length() != self._closed.bit_length():
+            # Said at powers of two: a flood of them writes a few lines.
+            self.log.info(
+                "hostpid-broker: {count} passed descriptors closed by the disposer so far "
+                "({disarmed} disarmed, {interrupted} interrupted)",
+                count=self._closed, disarmed=self.disarmed, interrupted=self.interrupted,
+            )
         if self.held:
             self._send()
 
