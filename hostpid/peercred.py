@@ -17,10 +17,11 @@ gives the pidfd's current PID instead, which must equal the one reported.
 Before Linux 6.5 there is no pidfd for the connecting process, only its PID.
 L{PeerIdentifier} then looks the PID up again with C{pidfd_open} (Linux
 5.3+), refuses it if the process it names started after the connection was
-accepted (L{hostpid.starttime}), and asks the same liveness question of that
-pidfd after reading the start time, so the start time read is that process's.
-A PID recycled before the accept (or within the accept's clock tick) is the
-window that remains; C{docs/security.md} states it.
+could have been made (L{PeerIdentifier.useConnectFloor}: the last moment
+the listener's backlog was seen empty; L{hostpid.starttime}), and asks the
+same liveness question of that pidfd after reading the start time, so the
+start time read is that process's.  A PID recycled within that moment's
+clock tick is the window that remains; C{docs/security.md} states it.
 """
 
 from __future__ import annotations
@@ -261,7 +262,12 @@ class PeerIdentifier:
         self._peerPidfd = peerPidfd
         self._pidfdOpen = pidfdOpen
         self.check: LivenessCheck | None = None
-        self.acceptClock: Callable[[], int] | None = boottime_ns
+        #: The earliest moment a connection being answered can have been
+        #: made (L{boottime_ns}): by default the moment of asking, which is
+        #: after its accept; a listening port that knows better (when it
+        #: last saw its backlog empty) sets its own (L{useConnectFloor}).
+        self.connectFloor: Callable[[], int] = boottime_ns
+        self.acceptClock: Callable[[], int] | None = self.connectFloor
         #: Why C{pidfd_open} cannot be used, if it cannot.
         self.pidfdOpenRefused = pidfd_open_refusal(pidfdOpen) if check is not _NONE else None
         #: Whether the liveness test is one C{pidfd_send_signal}, or (where
@@ -281,7 +287,26 @@ class PeerIdentifier:
         if check is _PIDFD_OPEN and self.pidfdOpenRefused is not None:
             check = _NONE
         self.check = check
-        self.acceptClock = boottime_ns if check is _PIDFD_OPEN else None
+        self.acceptClock = self.connectFloor if check is _PIDFD_OPEN else None
+
+    def useConnectFloor(self, floor: Callable[[], int]) -> None:
+        """
+        Compare callers' start times with C{floor()} rather than with the
+        moment of accepting: a lower bound on when the connection being
+        answered was made.
+
+        Why: a process that started after the connection was made cannot
+        be the one that made it, but a connection may wait in the listener's
+        backlog for as long as the broker does not accept (a stall, a
+        pause).  Meanwhile its maker may exit and its PID be given to a
+        process that starts I{before} the accept: compared with the accept,
+        that process would pass and be answered.  Compared with the last
+        moment the backlog was seen empty (every connection accepted since
+        was made after it), it is refused: the caller falls back, safely.
+        """
+        self.connectFloor = floor
+        if self.acceptClock is not None:
+            self.acceptClock = floor
 
     def _noPeerPidfd(self) -> None:
         """The first peer showed that this kernel has no C{SO_PEERPIDFD}: say what is used."""
@@ -407,7 +432,9 @@ class PeerIdentifier:
             raise PeerCredentialsFailed(f"/proc/{pid}/stat: not understood") from None
         if late:
             os.close(pidfd)
-            raise PeerGone(f"PID {pid} names a process started after the connection was accepted")
+            raise PeerGone(
+                f"PID {pid} names a process started after the connection could have been made"
+            )
         return pidfd
 
 

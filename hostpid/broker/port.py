@@ -58,6 +58,7 @@ from hostpid.broker.fsrules import (
 )
 from hostpid.broker.server import BrokerFactory
 from hostpid.broker.waiting import WaitingRoom
+from hostpid.starttime import boottime_ns
 
 #: Accept errors that mean "out of a resource for now": back off and retry.
 RESOURCE_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
@@ -74,6 +75,13 @@ ACCEPTS_PER_TURN = 128
 
 #: Why accepting may pause (L{BrokerPort.pauseReason}).
 PAUSE_RESOURCES = "out of descriptors or memory (accept fails with EMFILE/ENFILE/ENOBUFS/ENOMEM)"
+#: Where callers are checked by start time (no C{SO_PEERPIDFD}), how often
+#: an idle listener's backlog is looked at (one C{accept} that finds it
+#: empty), so that the moment it was last seen empty stays recent: a caller
+#: that started less than this (plus a clock tick) before connecting may be
+#: refused, and falls back.  See L{BrokerPort.emptyAt}.
+FLOOR_REFRESH = 0.05
+
 #: A pause this long (seconds) is logged once and fails readiness.
 PAUSE_REPORTED_AFTER = 1.0
 
@@ -122,6 +130,14 @@ class BrokerPort(unix.Port):
         self.pauseReason: str | None = None
         self._pauseReported = False
         self._acceptOne: Callable[[], Connection] | None = None
+        #: The last moment (L{boottime_ns}) the backlog was seen empty: every
+        #: connection accepted since was made after it.  Read at the start of
+        #: an accept batch that ended finding nothing more (a moment before
+        #: the kernel's look, so never later than the truth).  The peer
+        #: identifier compares callers' start times with it where it must
+        #: (L{hostpid.peercred.PeerIdentifier.useConnectFloor}).
+        self.emptyAt = 0
+        self._floorRefresh: Any = None
 
     def startListening(self) -> None:
         """
@@ -132,6 +148,8 @@ class BrokerPort(unix.Port):
         bind-then-chmod window), and the path is then checked by C{lstat} to
         be the socket just created, owned by us.
         """
+        # Before the listener exists: no connection can have been made earlier.
+        self.emptyAt = boottime_ns()
         directory = os.path.dirname(self.path)
         bindPath = descriptor_path(self._directoryFd, directory, defaults.SOCKET_NAME)
         skt = self.createInternetSocket()
@@ -183,7 +201,38 @@ class BrokerPort(unix.Port):
         self.fileno = skt.fileno  # type: ignore[method-assign]
         # Bound to this listener on the first accept (it holds its number).
         self._acceptOne = None
+        self.factory.identifier.useConnectFloor(self._connectFloor)
         self.startReading()
+        self._startFloorRefresh()
+
+    def _connectFloor(self) -> int:
+        return self.emptyAt
+
+    def _startFloorRefresh(self) -> None:
+        """
+        While callers may be checked by start time, look at an idle backlog
+        every L{FLOOR_REFRESH} (see L{emptyAt}); stops by itself once the
+        check in force needs no start time (C{SO_PEERPIDFD}).
+        """
+        from twisted.internet.task import LoopingCall
+
+        if self.factory.identifier.acceptClock is None:
+            return
+        self._floorRefresh = LoopingCall(self._refreshFloor)
+        self._floorRefresh.clock = self._clock
+        self._floorRefresh.start(FLOOR_REFRESH, now=False)
+
+    def _refreshFloor(self) -> None:
+        if self.factory.identifier.acceptClock is None:
+            self._stopFloorRefresh()
+            return
+        if self.connected and self.pausedSince is None:
+            self.doRead()
+
+    def _stopFloorRefresh(self) -> None:
+        if self._floorRefresh is not None and self._floorRefresh.running:
+            self._floorRefresh.stop()
+        self._floorRefresh = None
 
     def doRead(self) -> None:
         """
@@ -220,6 +269,8 @@ class BrokerPort(unix.Port):
         accept = self._acceptOne
         if accept is None:
             accept = self._acceptOne = factory.calls.acceptorFor(self.socket)
+        # One clock read a batch, and only where start times are compared.
+        started = boottime_ns() if factory.identifier.acceptClock is not None else 0
         admit = self.room.admit
         answerWaiting = factory.answerWaiting
         socketOf = factory.calls.socketOf
@@ -230,6 +281,8 @@ class BrokerPort(unix.Port):
                 conn = accept()
             except BlockingIOError:
                 self._acceptsPerTurn = max(1, accepted)
+                if started:
+                    self.emptyAt = started
                 if self.pausedSince is not None:
                     self._pauseEnded()
                 return
@@ -330,6 +383,7 @@ class BrokerPort(unix.Port):
             self._resume.cancel()
         self._resume = None
         self._acceptOne = None
+        self._stopFloorRefresh()
         passed = self.factory.passed
         if passed is not None:
             # Its guard watches the reactor's closes of connections: forgotten
