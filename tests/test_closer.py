@@ -179,3 +179,90 @@ def test_interrupts_queue_no_signal_in_the_broker(attacker) -> None:
     for peer in peers:
         peer.close()
     closer.stop()
+
+
+def test_a_disposer_that_cannot_start_is_not_counted_and_is_tried_again() -> None:
+    """
+    A disposer that fails to start (here: the system refuses the process) is
+    not counted as running; the descriptor waits in the broker, counted,
+    and the next look starts one.  Before, a closer thread that failed to
+    start was still counted as running, so none was ever started again.
+    """
+    clock = MemoryReactorClock()
+    refusals = [OSError(11, "Resource temporarily unavailable")]
+
+    def refused_once(channel: int) -> subprocess.Popen[bytes]:
+        from hostpid.broker.closer import spawn_disposer
+
+        if refusals:
+            raise refusals.pop()
+        return spawn_disposer(channel)
+
+    closer = BackgroundCloser(reactor=clock, watch=CloseWatch(), spawn=refused_once)
+    read, write = os.pipe()
+    closer.submit(read)
+    assert (closer.started, closer.spawnFailures, len(closer.held), closer.pending) == (0, 1, 1, 1)
+    assert closer.disposerPid is None
+    clock.advance(closer.stuckAfter)
+    assert closer.started == 1 and not closer.held
+    wait_for(lambda: closer.closed == 1, "the disposer started on the next look to close it")
+    with pytest.raises(BrokenPipeError):
+        os.write(write, b"x")
+    os.close(write)
+    closer.stop()
+
+
+def test_a_replaced_handler_is_said_once_and_ends_the_bound() -> None:
+    """
+    An embedding application that installs its own handler for the
+    watchdog's signal after start takes the close bound away: the watch
+    says so once, as an error, and no longer counts as active.  Before, the
+    bound was lost silently.
+    """
+    from twisted.logger import globalLogPublisher
+
+    watch = CloseWatch(signum=int(signal.SIGRTMIN) + 6)
+    assert watch.install(), watch.reason
+    seen: list[dict[str, object]] = []
+    globalLogPublisher.addObserver(seen.append)
+    previous = signal.getsignal(watch.signum)
+    try:
+        assert watch.checkHandler() is True
+        signal.signal(watch.signum, lambda signum, frame: None)
+        assert watch.checkHandler() is False
+        assert watch.checkHandler() is False
+    finally:
+        signal.signal(watch.signum, previous)
+        globalLogPublisher.removeObserver(seen.append)
+    said = [e for e in seen if "no longer bounded" in str(e.get("log_format"))]
+    assert len(said) == 1, seen
+    assert watch.handlerLost and not watch.active
+
+
+def test_a_busy_close_is_signalled_a_bounded_number_of_times() -> None:
+    """
+    A close that outlasts its interrupts is signalled at most
+    INTERRUPTS_PER_CLOSE times, however long it lasts: a real-time signal
+    queues one entry per send against the UID's RLIMIT_SIGPENDING, shared by
+    every root process on the node.  Before, one was sent at every look.
+    """
+    from hostpid.broker.closewatch import INTERRUPTS_PER_CLOSE
+
+    watch = CloseWatch(signum=int(signal.SIGRTMIN) + 7, stuckAfter=3600)
+    assert watch.install(), watch.reason
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, [watch.signum])
+    try:
+        guard = watch.guard("this thread")
+        guard.closes += 1
+        guard.busy = True
+        queued_before, _ = sig_queue()
+        for _ in range(50):
+            watch.look()
+        queued, _ = sig_queue()
+        guard.busy = False
+        assert watch.interrupted == INTERRUPTS_PER_CLOSE
+        # Blocked here, so every signal sent is still queued.
+        assert queued - queued_before == INTERRUPTS_PER_CLOSE, (queued_before, queued)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        watch.forget(guard)
