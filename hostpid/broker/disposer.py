@@ -79,13 +79,13 @@ interrupted = 0
 _closing = False
 
 
-def _alarm(signum, frame):
+def _alarm(signum: int, frame: object) -> None:
     global interrupted
     if _closing:
         interrupted += 1
 
 
-def close_bounded(fd, count=True):
+def close_bounded(fd: int, count: bool = True) -> None:
     """Close C{fd} with the interval timer armed; C{count} it as a passed one."""
     global closed, _closing
     _closing = True
@@ -101,8 +101,8 @@ def close_bounded(fd, count=True):
         closed += 1
 
 
-def descriptors_in(ancillary):
-    fds = []
+def descriptors_in(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
+    fds: list[int] = []
     for level, kind, data in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             count = len(data) // 4
@@ -110,7 +110,7 @@ def descriptors_in(ancillary):
     return fds
 
 
-def dispose(fd, depth=0):
+def dispose(fd: int, depth: int = 0) -> None:
     """Disarm what can be disarmed, then close C{fd} (see the module)."""
     global disarmed
     try:
@@ -133,7 +133,7 @@ def dispose(fd, depth=0):
         collect_unix_garbage()
 
 
-def collect_unix_garbage():
+def collect_unix_garbage() -> None:
     """
     Close a throwaway Unix socket pair: on kernels before 6.10 that runs the
     kernel's collector of in-flight garbage (a passed Unix socket that
@@ -148,7 +148,7 @@ def collect_unix_garbage():
     close_bounded(right.detach(), count=False)
 
 
-def drain(sock, depth):
+def drain(sock: socket.socket, depth: int) -> None:
     """Read a Unix socket's queue out, disposing of what it carries."""
     try:
         sock.shutdown(socket.SHUT_RD)
@@ -169,14 +169,14 @@ def drain(sock, depth):
             return
 
 
-def report(channel):
+def report(channel: socket.socket) -> None:
     try:
         channel.send(PROGRESS.pack(closed, disarmed, interrupted), socket.MSG_DONTWAIT)
     except OSError:
         pass
 
 
-def main(fd, parent):
+def main(fd: int, parent: int) -> None:
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):
