@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 
-from hostpid.broker.fairness import PeerQueues
+from hostpid.broker.fairness import PeerQueues, Rotation
 
 
 def reference_victim(waiting: list[tuple[str, int]], reached: dict[tuple[int, int], int]):
@@ -56,3 +56,16 @@ def test_removing_what_is_not_there() -> None:
     assert queues.remove("a", 1)
     assert not queues.remove("a", 1)
     assert queues.victim() is None and queues.most == 0 and queues.count(1) == 0
+
+
+def test_rotation_looks_at_each_item_in_turn() -> None:
+    rotation: Rotation[str] = Rotation()
+    assert rotation.next() is None
+    for item in "abc":
+        rotation.add(item)
+    assert [rotation.next(), rotation.next()] == ["a", "b"]
+    rotation.add("d")
+    rotation.remove("c")
+    rotation.remove("missing")
+    assert len(rotation) == 3
+    assert [rotation.next() for _ in range(4)] == ["a", "b", "d", "a"]
