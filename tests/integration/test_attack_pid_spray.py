@@ -45,7 +45,7 @@ from support import (
     subprocess_env,
 )
 
-from hostpid.broker.service import RECEIVE_DESCRIPTORS_ENV
+from hostpid.broker.service import LIVENESS_ENV, RECEIVE_DESCRIPTORS_ENV
 
 pytestmark = pytest.mark.privileged
 
@@ -181,12 +181,20 @@ def late_writers(socket_path: Path, gap: float) -> Counter[str]:
     return Counter(json.loads(done.stdout))
 
 
+@pytest.mark.parametrize("liveness", ["best", "pidfd_open"])
 @pytest.mark.parametrize("mode", MODES)
 def test_late_writers_are_answered_under_a_pid_spray(
-    public_tmp: Path, spray_binary: Path, spray: list[subprocess.Popen[str]], mode: str
+    public_tmp: Path, spray_binary: Path, spray: list[subprocess.Popen[str]], mode: str,
+    liveness: str,
 ) -> None:
+    """
+    C{liveness}: the best check the kernel has, or C{pidfd_open} and the
+    start time as on kernels before 6.5 (no C{SO_PEERPIDFD}).
+    """
     require_root()
     env = {RECEIVE_DESCRIPTORS_ENV: "1"} if mode == "received" else {}
+    if liveness != "best":
+        env[LIVENESS_ENV] = liveness
     with running_broker(public_tmp / "broker", "--max-connections", "512",
                         env=subprocess_env(env)) as broker:
         attacker = subprocess.Popen(
@@ -207,6 +215,6 @@ def test_late_writers_are_answered_under_a_pid_spray(
         f"({dict(verdicts)})"
         for gap, verdicts in results.items()
     )
-    print(f"\n{mode}: {figures}")
+    print(f"\n{mode}, liveness {liveness}: {figures}")
     assert all(verdicts["wrong reply"] == 0 for verdicts in results.values()), figures
     assert all(verdicts["ok"] >= REQUIRED * CLIENTS for verdicts in results.values()), figures
