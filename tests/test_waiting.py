@@ -56,7 +56,9 @@ class Tenants:
         assert connection is not None, "admitted"
         return connection, client
 
-    def sprayed(self, listener: socket.socket, peer: int) -> tuple[WaitingConnection | None, socket.socket]:
+    def sprayed(
+        self, listener: socket.socket, peer: int
+    ) -> tuple[WaitingConnection | None, socket.socket]:
         """
         A connection as a PID spray makes it: connected by a child that
         exited (and was reaped) at once, its socket kept by this process.
