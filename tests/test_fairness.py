@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 
-from hostpid.broker.fairness import PeerQueues, Rotation
+from hostpid.broker.fairness import LookBackoff, PeerQueues, Rotation
 
 
 def reference_victim(waiting: list[tuple[str, int]], reached: dict[tuple[int, int], int]):
@@ -69,3 +69,18 @@ def test_rotation_looks_at_each_item_in_turn() -> None:
     rotation.remove("missing")
     assert len(rotation) == 3
     assert [rotation.next() for _ in range(4)] == ["a", "b", "d", "a"]
+
+
+def test_look_backoff_skips_more_rounds_after_each_that_found_nothing() -> None:
+    backoff = LookBackoff(longest=4)
+    made = []
+    for _ in range(20):
+        due = backoff.due()
+        made.append(due)
+        if due:
+            backoff.looked(False)
+    # Rounds made, then 1, 2, 4, 4 ... skipped.
+    assert made[:14] == [True, False, True, False, False, True, False, False, False, False,
+                         True, False, False, False]
+    backoff.looked(True)
+    assert [backoff.due() for _ in range(3)] == [True] * 3, "a round that found one: every time"

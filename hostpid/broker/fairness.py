@@ -155,3 +155,37 @@ class Rotation(Generic[T]):
         item = next(iter(items))
         items.move_to_end(item)
         return item
+
+
+class LookBackoff:
+    """
+    Whether to ask about connectors this time: after a round of looks that
+    found none gone, the next rounds are skipped, one, then two, four, ...
+    up to L{longest}; a round that finds one asks at every newcomer again.
+
+    The looks cost a few microseconds each (a pidfd made and closed), and a
+    flood from live processes that fills every slot would otherwise pay
+    them for every newcomer and find nothing; a PID spray finds one at
+    almost every look and is never skipped for long.  While skipped, the
+    fairness rule alone chooses, as it did before the looks.
+    """
+
+    def __init__(self, longest: int = 32) -> None:
+        self.longest = longest
+        self._wait = 0
+        self._skip = 0
+
+    def due(self) -> bool:
+        """Whether this newcomer's round of looks is to be made."""
+        if self._skip:
+            self._skip -= 1
+            return False
+        return True
+
+    def looked(self, found: bool) -> None:
+        """A round of looks was made, and found a gone connector or not."""
+        if found:
+            self._wait = self._skip = 0
+        else:
+            self._wait = min(self._wait * 2 or 1, self.longest)
+            self._skip = self._wait

@@ -47,7 +47,10 @@ L{WaitingRoom} admits them, by the rule of L{hostpid.broker.fairness}:
     C{pidfd_send_signal}, or C{pidfd_open} and the start time before Linux
     6.5), asked only while every slot is held and of at most
     L{GONE_CHECKS} waiting connections per newcomer, in the rotating order
-    of L{Rotation} so that each is reached in turn;
+    of L{Rotation} so that each is reached in turn; after a round that
+    found none, the next rounds are skipped (L{LookBackoff}: 1, 2, 4, ...
+    up to 32 newcomers), so a flood from live processes pays for the looks
+    on about one newcomer in 33;
   - failing that, the oldest waiting connection of the peer holding the
     most gives up its slot (outcome C{evicted}).  A connection
     that was answered has already left (it closed when answered), so an
@@ -74,7 +77,7 @@ from zope.interface import implementer
 
 from hostpid import wire
 from hostpid.broker.deadlines import ArrivalDeadlines
-from hostpid.broker.fairness import PeerQueues, Rotation
+from hostpid.broker.fairness import LookBackoff, PeerQueues, Rotation
 from hostpid.broker.server import BrokerFactory, Outcome, answer
 
 _SOL_SOCKET = int(socket.SOL_SOCKET)
@@ -244,6 +247,8 @@ class WaitingRoom:
         call.
     @ivar rotation: the waiting connections in the order they are asked
         whether their connector still exists.
+    @ivar backoff: when those questions are skipped (after rounds that
+        found nothing).
     """
 
     def __init__(
@@ -263,6 +268,7 @@ class WaitingRoom:
         self._peerOf = peerOf
         self.queues: PeerQueues[WaitingConnection, int] = PeerQueues()
         self.rotation: Rotation[WaitingConnection] = Rotation()
+        self.backoff = LookBackoff()
         self.deadlines: ArrivalDeadlines[WaitingConnection] = ArrivalDeadlines(
             reactor, factory.deadline, WaitingConnection.expire
         )
@@ -295,11 +301,13 @@ class WaitingRoom:
         acceptClock = factory.identifier.acceptClock
         accepted = acceptClock() if acceptClock is not None else 0
         if factory.active >= factory.maxConnections:
-            if factory.identifier.connector_gone(sock, accepted):
+            looking = self.backoff.due()
+            if looking and factory.identifier.connector_gone(sock, accepted):
                 # It could never be answered: it takes no one's slot.
+                self.backoff.looked(True)
                 self._shed(sock, _CONNECTOR_GONE)
                 return None
-            if not self._evictGone():
+            if not looking or not self._evictGone():
                 victim = queues.victim()
                 if victim is None:
                     # Every slot is held by something that is not waiting: not
@@ -330,7 +338,9 @@ class WaitingRoom:
             assert connection is not None
             if connectorGone(connection.socket, connection.accepted):
                 connection.finish(_CONNECTOR_GONE)
+                self.backoff.looked(True)
                 return True
+        self.backoff.looked(False)
         return False
 
     def _shed(self, sock: _socket.socket, outcome: Outcome = _OVER_LIMIT) -> None:
