@@ -12,12 +12,17 @@ Real clients that write as soon as they connect are answered on the fast
 path, but a client descheduled for 10 or 30 ms between connect and write
 (a busy node) waits in the room, where, without the rule for gone
 connectors, it was the oldest of many one-connection peers and lost its
-slot within milliseconds (measured before the rule: see the report in the
-test's output).
+slot within milliseconds.  Measured on this test before the rule, 100
+clients per gap, 10 ms / 30 ms: refused 97 / 0, received 100 / 66; a
+second run on a busier machine: refused 100 / 96, refused with
+C{pidfd_open} 100 / 94, received 98 / 82, received with C{pidfd_open}
+95 / 96 (each failing).
 
 A waiting connection whose connector has exited can never be answered, so
 the room gives those up first: at least 99 % of the late writers must be
-answered within HAMi-core's 0.5 s, in both descriptor modes.
+answered within HAMi-core's 0.5 s, in both descriptor modes and with
+either liveness check (measured after: 100 / 100 in every case, three
+runs).
 """
 
 from __future__ import annotations
