@@ -21,8 +21,8 @@ C{pidfd_open} 100 / 94, received 98 / 82, received with C{pidfd_open}
 A waiting connection whose connector has exited can never be answered, so
 the room gives those up first: at least 99 % of the late writers must be
 answered within HAMi-core's 0.5 s, in both descriptor modes and with
-either liveness check (measured after: 100 / 100 in every case, three
-runs).
+either liveness check (measured after: 100 / 100 in every case and
+every run).
 """
 
 from __future__ import annotations
