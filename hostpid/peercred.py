@@ -394,6 +394,25 @@ class PeerIdentifier:
             raise PeerGone(f"connected as PID {pid}, now {current}")
         return pid
 
+    def connector_gone(self, sock: Socket, accepted: int = 0) -> bool:
+        """
+        Whether the process that connected C{sock} is known to have exited,
+        so that no request on it can ever be answered (L{host_pid} would
+        raise L{PeerGone}).  Asked of connections still waiting for their
+        request, to give up first the slots that can never serve anyone
+        (L{hostpid.broker.waiting}).  C{False} where it cannot be told:
+        with no liveness check, or when the kernel refuses the question.
+        """
+        if self.check is _NONE:
+            return False
+        try:
+            self.host_pid(sock, accepted)
+        except PeerGone:
+            return True
+        except PeerUnverified:
+            return False
+        return False
+
     def _openStartedBefore(self, pid: int, accepted: int) -> int:
         """
         L{LivenessCheck.PIDFD_OPEN}'s first two steps: a pidfd for whatever

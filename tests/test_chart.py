@@ -295,6 +295,37 @@ def test_another_broker_directory_is_used_everywhere() -> None:
         assert f"--socket {directory}/broker.sock " in container[kind]["exec"]["command"][2]
 
 
+@pytest.mark.parametrize("lock_parent", ["/tmp/vgpulock", "/var/tmp/vgpulock"])
+def test_the_host_tmp_mount_is_the_lock_parents_parent_and_as_tight_as_it_can_be(
+    lock_parent: str,
+) -> None:
+    """
+    The one mount of the host's C{/tmp} (the lock parent's parent, which
+    preparation must check and C{mkdirat} the lock parent in: so writable
+    and whole, docs/security.md "The broker's mounts") has no mount
+    propagation either way, must already exist on the host (C{Directory}:
+    kubelet creates nothing there), is never a mount of the lock parent
+    itself, and is not rendered at all without CDI.
+    """
+    parent = lock_parent.rsplit("/", 1)[0]
+    daemonset = by_kind(render(sets(f"broker.lockParent={lock_parent}")), "DaemonSet")
+    spec = pod_spec(daemonset)
+    assert spec is not None
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    (mount,) = [m for m in broker_container(daemonset)["volumeMounts"]
+                if m["name"] == "host-tmp"]
+    assert mount == {"name": "host-tmp", "mountPath": parent, "mountPropagation": "None"}
+    assert volumes["host-tmp"] == {"name": "host-tmp",
+                                   "hostPath": {"path": parent, "type": "Directory"}}
+    host_paths = [v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v]
+    assert not any(path == lock_parent or path.startswith(lock_parent + "/")
+                   for path in host_paths), "never the lock parent or anything in it"
+    without = pod_spec(by_kind(render(sets("broker.cdi.enabled=false")), "DaemonSet"))
+    assert without is not None
+    assert all(v["hostPath"]["path"] not in ("/tmp", parent)
+               for v in without["volumes"] if "hostPath" in v), "no host /tmp without CDI"
+
+
 def test_the_release_can_live_in_the_brokers_namespace_when_the_chart_does_not_create_it(
 ) -> None:
     docs = render(sets("namespace.create=false"), namespace="hostpid")

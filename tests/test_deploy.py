@@ -375,6 +375,12 @@ def cdi_rule_violations(name: str, argv: Sequence[str], mounts: Sequence[Mapping
                             f"{host_path['path']}")
         if mount.get("readOnly"):
             problems.append(f"{name}: {what} {path} must be writable")
+        if mount.get("mountPropagation", "None") != "None":
+            # The host's whole /tmp (or spec directory): no mount made under it on
+            # the host may reach the broker, and none of the broker's may reach the
+            # host (docs/security.md, "The broker's mounts").
+            problems.append(f"{name}: {what} {path} must have mountPropagation None, not "
+                            f"{mount['mountPropagation']}")
     if host_mount(mounts, volumes, lock_parent) is not None:
         problems.append(f"{name}: do not mount the lock parent {lock_parent} itself; mount "
                         "its parent")
@@ -569,6 +575,9 @@ BROKEN_DAEMONSETS: dict[str, tuple[Callable[[dict, dict], None], str]] = {
         "--cdi-dir /var/run/cdi must be writable"),
     "lock parent's parent not mounted": (
         lambda spec, c: _drop_mount(c, "/tmp"), "the lock parent's parent /tmp must be mounted"),
+    "lock parent's parent propagating host mounts": (
+        lambda spec, c: _mount(c, "/tmp").update(mountPropagation="HostToContainer"),
+        "the lock parent's parent /tmp must have mountPropagation None"),
     "lock parent mounted itself": (
         lambda spec, c: _mount(c, "/tmp").update(mountPath="/tmp/vgpulock"),
         "do not mount the lock parent"),

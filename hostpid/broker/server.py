@@ -55,6 +55,7 @@ class Outcome(enum.IntEnum):
     PEER_GONE = 6
     EVICTED = 7
     DESCRIPTORS = 8
+    CONNECTOR_GONE = 9
 
     @property
     def label(self) -> str:
@@ -71,6 +72,7 @@ _LABELS = {
     Outcome.PEER_GONE: "peer_gone",
     Outcome.EVICTED: "evicted",
     Outcome.DESCRIPTORS: "descriptors",
+    Outcome.CONNECTOR_GONE: "connector_gone",
 }
 
 
