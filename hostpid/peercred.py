@@ -275,6 +275,9 @@ class PeerIdentifier:
         self.signalCheck = check is not _NONE and pidfd_signal_usable()
         #: Whether C{/proc} shows this PID namespace, so start times can be read.
         self.startTimes = proc_shows_own_namespace()
+        #: The least time (nanoseconds) in which the PID space can be cycled
+        #: (L{pid_cycle_ns}).
+        self.pidCycleNs = pid_cycle_ns()
         if check is not None:
             self._settle(check)
 
@@ -436,10 +439,17 @@ class PeerIdentifier:
         # accept's, so the rule cannot refuse it and /proc is not read: the
         # usual case on the fast path, which checks within microseconds of
         # the accept.
-        if not self.startTimes or not accepted or boottime_ns() // TICK_NS == accepted // TICK_NS:
+        if not self.startTimes or not accepted:
+            return pidfd
+        now = boottime_ns()
+        # No process can take a PID that another left before the PID space
+        # has cycled: a process that started within PID_CYCLE of the bound
+        # on when the connection was made, and by now, cannot be a reuser.
+        bound = min(now, accepted + self.pidCycleNs)
+        if now // TICK_NS == bound // TICK_NS:
             return pidfd
         try:
-            late = started_after(pid, accepted)
+            late = started_after(pid, bound)
         except ProcessLookupError:
             os.close(pidfd)
             raise PeerGone(f"connected as PID {pid}, since exited") from None
@@ -455,6 +465,36 @@ class PeerIdentifier:
                 f"PID {pid} names a process started after the connection could have been made"
             )
         return pidfd
+
+
+#: PIDs a node allocates per second at most, by any means a tenant has:
+#: measured, one core cycling with C{clone(CLONE_VM|CLONE_VFORK)} allocates
+#: about 47,000 a second (32,420 in 0.4-0.8 s).  Generous by forty times,
+#: for many cores cloning at once: every allocation takes the kernel's one
+#: C{pidmap_lock}.
+PID_RATE = 2_000_000
+
+#: PIDs the kernel never hands out again on a cycle (C{RESERVED_PIDS}).
+_RESERVED_PIDS = 300
+
+
+def pid_cycle_ns(path: str = "/proc/sys/kernel/pid_max") -> int:
+    """
+    The least time in which a PID left by an exited process can name a new
+    one: the kernel allocates PIDs cyclically (C{alloc_pid},
+    C{idr_alloc_cyclic}), so a PID comes back only after the rest of the
+    space, C{pid_max} less the reserved PIDs, has been handed out, at
+    L{PID_RATE} at most.  Only root can choose a host PID
+    (C{ns_last_pid}, C{clone3}'s C{set_tid} need C{CAP_CHECKPOINT_RESTORE}
+    over the initial user namespace).  0, the strictest bound, where
+    C{pid_max} cannot be read.
+    """
+    try:
+        with open(path) as f:
+            pidMax = int(f.read())
+    except (OSError, ValueError):
+        return 0
+    return max(pidMax - _RESERVED_PIDS, 0) * 10**9 // PID_RATE
 
 
 _PEERPIDFD = LivenessCheck.PEERPIDFD

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import errno
 import os
+import socket
 import stat
 from collections.abc import Callable
 from typing import Any
@@ -42,7 +43,7 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from hostpid import defaults
+from hostpid import defaults, wire
 from hostpid.broker.connections import Connection
 from hostpid.broker.descriptors import (
     DescriptorMode,
@@ -76,11 +77,16 @@ ACCEPTS_PER_TURN = 128
 #: Why accepting may pause (L{BrokerPort.pauseReason}).
 PAUSE_RESOURCES = "out of descriptors or memory (accept fails with EMFILE/ENFILE/ENOBUFS/ENOMEM)"
 #: Where callers are checked by start time (no C{SO_PEERPIDFD}), how often
-#: an idle listener's backlog is looked at (one C{accept} that finds it
-#: empty), so that the moment it was last seen empty stays recent: a caller
-#: that started less than this (plus a clock tick) before connecting may be
-#: refused, and falls back.  See L{BrokerPort.emptyAt}.
-FLOOR_REFRESH = 0.05
+#: the port puts a marker in its own backlog (L{BrokerPort._insertMarker}),
+#: so that the bound on when a connection was made stays recent, idle or
+#: flooded: a caller that started less than this (plus a clock tick) before
+#: connecting may be refused, and falls back.  See L{BrokerPort.emptyAt}.
+FLOOR_REFRESH = 0.01
+
+#: Backlog markers outstanding at most, and how long one is waited for
+#: (nanoseconds) before it is forgotten.
+MARKERS_OUTSTANDING = 64
+MARKER_LIFETIME_NS = 5 * 10**9
 
 #: A pause this long (seconds) is logged once and fails readiness.
 PAUSE_REPORTED_AFTER = 1.0
@@ -210,24 +216,75 @@ class BrokerPort(unix.Port):
 
     def _startFloorRefresh(self) -> None:
         """
-        While callers may be checked by start time, look at an idle backlog
-        every L{FLOOR_REFRESH} (see L{emptyAt}); stops by itself once the
-        check in force needs no start time (C{SO_PEERPIDFD}).
+        While callers may be checked by start time, put a marker in the
+        backlog every L{FLOOR_REFRESH} (see L{emptyAt}); stops by itself once
+        the check in force needs no start time (C{SO_PEERPIDFD}).
         """
         from twisted.internet.task import LoopingCall
 
         if self.factory.identifier.acceptClock is None:
             return
-        self._floorRefresh = LoopingCall(self._refreshFloor)
+        self.factory.markerSeen = self._markerSeen
+        self._floorRefresh = LoopingCall(self._insertMarker)
         self._floorRefresh.clock = self._clock
         self._floorRefresh.start(FLOOR_REFRESH, now=False)
 
-    def _refreshFloor(self) -> None:
-        if self.factory.identifier.acceptClock is None:
+    def _insertMarker(self) -> None:
+        """
+        Connect to our own listener and send 8 random bytes that are no
+        valid request, noting when (L{boottime_ns}, read before the
+        connect).  The backlog is first in, first out (C{unix_stream_connect}
+        queues each new connection at the tail of the listener's queue;
+        C{accept} takes the head), so every connection accepted after the
+        marker was made after that moment, however long the backlog stays
+        full: the moment becomes L{emptyAt} when the marker is accepted
+        (L{_markerSeen}).  An idle listener wakes for it, finds the backlog
+        empty after it, and so keeps L{emptyAt} recent too.
+
+        The bytes are random so that no client can pass for a marker (and
+        move the bound past connections made before it); a marker the
+        backlog cannot take (full) is not sent, and one that never comes
+        back is forgotten after L{MARKER_LIFETIME}.
+        """
+        factory = self.factory
+        if factory.identifier.acceptClock is None:
             self._stopFloorRefresh()
             return
-        if self.connected and self.pausedSince is None:
-            self.doRead()
+        if not self.connected:
+            return
+        now = boottime_ns()
+        markers = factory.markers
+        for nonce, made in list(markers.items()):
+            if now - made > MARKER_LIFETIME_NS:
+                del markers[nonce]
+        if len(markers) >= MARKERS_OUTSTANDING:
+            return
+        nonce = os.urandom(wire.REQUEST_SIZE)
+        while nonce.startswith(wire.MAGIC):
+            nonce = os.urandom(wire.REQUEST_SIZE)
+        path = descriptor_path(
+            self._directoryFd, os.path.dirname(self.path), defaults.SOCKET_NAME
+        )
+        try:
+            marker = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+        except OSError:
+            return
+        try:
+            made = boottime_ns()
+            marker.connect(path)
+            markers[nonce] = made
+            marker.send(nonce)
+        except OSError:
+            # The backlog is full (EAGAIN), or out of resources: no marker
+            # this time; L{emptyAt} stays where it is (only ever too early).
+            markers.pop(nonce, None)
+        finally:
+            marker.close()
+
+    def _markerSeen(self, made: int) -> None:
+        """A marker made at C{made} was accepted: see L{_insertMarker}."""
+        if made > self.emptyAt:
+            self.emptyAt = made
 
     def _stopFloorRefresh(self) -> None:
         if self._floorRefresh is not None and self._floorRefresh.running:
@@ -281,7 +338,7 @@ class BrokerPort(unix.Port):
                 conn = accept()
             except BlockingIOError:
                 self._acceptsPerTurn = max(1, accepted)
-                if started:
+                if started > self.emptyAt:
                     self.emptyAt = started
                 if self.pausedSince is not None:
                     self._pauseEnded()

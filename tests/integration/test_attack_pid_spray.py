@@ -225,4 +225,20 @@ def test_late_writers_are_answered_under_a_pid_spray(
     )
     print(f"\n{mode}, liveness {liveness}: {figures}")
     assert all(verdicts["wrong reply"] == 0 for verdicts in results.values()), figures
-    assert all(verdicts["ok"] >= REQUIRED * CLIENTS for verdicts in results.values()), figures
+    if liveness == "best":
+        assert all(verdicts["ok"] >= REQUIRED * CLIENTS for verdicts in results.values()), figures
+        return
+    # Checked by start time, a caller is compared with the last moment the
+    # broker's backlog was known empty (never a wrong PID, however long a
+    # connection waits).  Under a flood that moment lags, and a caller that
+    # started after it, less than the PID space's cycle time before, is
+    # refused with no reply (outcome peer_gone) and falls back: the price of
+    # that rule on kernels before 6.5, paid only while the broker lags.
+    # Every client is answered or refused so; none waits out its deadline.
+    refused = sum(v["closed before the reply"] for v in results.values())
+    assert all(
+        verdicts["ok"] + verdicts["closed before the reply"] >= REQUIRED * CLIENTS
+        for verdicts in results.values()
+    ), figures
+    if refused:
+        assert "peer_gone transactions so far" in broker.output(), figures

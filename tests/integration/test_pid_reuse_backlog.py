@@ -12,6 +12,11 @@ process started earlier and passed: the broker answered its PID, status 0,
 to the parent.  Compared with the last moment the backlog was seen empty, it
 started later: the connection is closed with no reply and the client falls
 back.
+
+A tenant cannot choose a host PID: it gets one back only by cycling the PID
+space, which takes at least L{hostpid.peercred.pid_cycle_ns}.  This test
+reuses the PID through C{ns_last_pid} (root only) and so first waits that
+long, as a tenant's reuse would have to.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from support import require_root, running_broker
 
 from hostpid import wire
 from hostpid.broker.service import LIVENESS_ENV, RECEIVE_DESCRIPTORS_ENV
+from hostpid.peercred import pid_cycle_ns
 from hostpid.starttime import TICK_NS, boottime_ns
 
 pytestmark = [pytest.mark.privileged, pytest.mark.kernel]
@@ -38,6 +44,14 @@ def next_tick() -> None:
     deadline = time.monotonic() + 2
     while boottime_ns() // TICK_NS <= now:
         assert time.monotonic() < deadline, "CLOCK_BOOTTIME did not move"
+        time.sleep(0.001)
+
+
+def wait_until(moment: int) -> None:
+    """Return once CLOCK_BOOTTIME has passed C{moment} (bounded)."""
+    deadline = time.monotonic() + 10
+    while boottime_ns() <= moment:
+        assert time.monotonic() < deadline, "CLOCK_BOOTTIME did not reach the moment"
         time.sleep(0.001)
 
 
@@ -77,6 +91,7 @@ def test_a_pid_reused_while_the_connection_waits_in_the_backlog_gets_no_reply(
     with running_broker(public_tmp / "broker", env=env) as broker:
         brokerPid = broker.process.pid
         os.kill(brokerPid, signal.SIGSTOP)
+        stopped = boottime_ns()
         stop = None
         try:
             # The broker's last look at its backlog was before it stopped;
@@ -92,6 +107,8 @@ def test_a_pid_reused_while_the_connection_waits_in_the_backlog_gets_no_reply(
                 finally:
                     os._exit(0)
             os.waitpid(child, 0)
+            # As long as a tenant would need to get the PID back, and a tick.
+            wait_until(stopped + pid_cycle_ns() + TICK_NS)
             reused, stop = process_with_pid(child)
             # The reuser started before the accept, by a whole tick: compared
             # with the accept, it passes.
