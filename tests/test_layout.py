@@ -28,7 +28,7 @@ from support import REPO
 PACKAGE = REPO / "hostpid"
 SHARED = {"wire", "gate", "peercred", "starttime", "defaults", "errors", "logs"}
 SIDES = {"broker", "client", "node"}
-TOP = {"", "cli", "testing", "tap"}
+TOP = {"", "cli", "testing", "tap", "allocation"}
 
 
 @attrs.frozen
