@@ -402,7 +402,7 @@ def test_examples_import_only_public_names() -> None:
     ("code", "expected"),
     [
         ("import hostpid\nhostpid.query_host_pid()\n", []),
-        ("from hostpid.testing import FakeBroker\n", []),
+        ("from hostpid.testing import Delay, FakeBroker, Reply\n", []),
         ("from hostpid.client.blocking import query_host_pid\n",
          ["x+1: imports the internal module hostpid.client.blocking"]),
         ("from hostpid import no_such_name\n", ["x+1: hostpid.no_such_name is not a public name"]),
