@@ -199,7 +199,7 @@ def test_answers_at_accept_are_timed_once_per_accept_batch(clock, listener) -> N
 @pytest.mark.usefixtures("reads")
 def test_a_lasting_pause_fails_readiness_and_is_said_once(clock, listener) -> None:
     """
-    Issue 18: a pause that lasts must show.  Past PAUSE_REPORTED_AFTER the
+    A pause that lasts must show (to readiness and in the log).  Past PAUSE_REPORTED_AFTER the
     port names it (readiness fails on that), logs one line, and says when
     accepting resumes.
     """
