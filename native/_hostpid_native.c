@@ -1,6 +1,6 @@
 /*
- * _hostpid_native: the broker's fast-path system calls, made from C
- * (issue 19 item 5).
+ * _hostpid_native: the broker's fast-path system calls, made from C, so that
+ * the broker's CPU per transaction stays near a C server's.
  *
  * Made through the socket module, the fast path's calls cost far more in
  * Python than in the kernel: a socket object per accepted connection (and

@@ -1,5 +1,5 @@
 """
-Writing the CDI spec (issue 14 item 2) and C{hostpid cdi}, as root, in a
+Writing the CDI spec and C{hostpid cdi}, as root, in a
 private tree on the real filesystem.
 
 Foreign files are made by the kernel for a real other UID where ownership is

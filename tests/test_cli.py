@@ -167,7 +167,7 @@ class TestProbeHealthy:
         self, root_directory: Path, gate: str | None
     ) -> None:
         """
-        Issue 21: an operator checking the broker from the host, in a shell
+        An operator checking the broker from the host, in a shell
         without the workload's gate (or with it off), is answered, and told
         the gate it has as information.  Before, this was "gate check failed:
         LIBVGPU_HOSTPID_BROKER unset; ... not probed", exit 1.

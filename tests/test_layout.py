@@ -13,11 +13,16 @@ Layers, bottom up:
 
 Read with C{ast} from the source, so a violating import is found whether
 or not any test happens to execute it.
+
+And the tree's text names no internal issue numbers: a reader of the
+repository cannot look them up, so comments, docstrings, test names and
+guides state the reason itself.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,7 +33,7 @@ from support import REPO
 PACKAGE = REPO / "hostpid"
 SHARED = {"wire", "gate", "peercred", "starttime", "defaults", "errors", "logs"}
 SIDES = {"broker", "client", "node"}
-TOP = {"", "cli", "testing", "tap"}
+TOP = {"", "cli", "testing", "tap", "allocation"}
 
 
 @attrs.frozen
@@ -278,3 +283,64 @@ def test_the_public_api_is_not_taken_from_below() -> None:
     assert package_attribute_uses("hostpid.broker.metrics", source) == [
         "hostpid.broker.metrics:4: uses hostpid.TrustPolicy from below"
     ]
+
+
+# --- No internal issue numbers in the tree. ---
+
+#: A reference to an issue by its number: the word and a number, or a hash
+#: and two digits or more.
+ISSUE_NUMBER = re.compile(r"\bissue ?#?[0-9]+|#[0-9]{2}\b", re.IGNORECASE)
+
+#: What is searched: the code, its tests, the tools and the documentation.
+SEARCHED = ("hostpid", "tests", "twisted", "bench", "deploy", "docs", "native", ".ci")
+SEARCHED_FILES = ("README.md", "CHANGELOG.md", "setup.py", "setup.cfg", "pyproject.toml", "tox.ini")
+
+#: Generated benchmark reports are kept exactly as the tools wrote them.
+NOT_SEARCHED = (REPO / "bench" / "reports",)
+
+
+def searched_files() -> Iterator[Path]:
+    for name in SEARCHED_FILES:
+        if (REPO / name).is_file():
+            yield REPO / name
+    for top in SEARCHED:
+        for path in sorted((REPO / top).rglob("*")):
+            if not path.is_file() or "__pycache__" in path.parts:
+                continue
+            if any(path.is_relative_to(skipped) for skipped in NOT_SEARCHED):
+                continue
+            yield path
+
+
+def issue_references(text: str) -> list[str]:
+    return [match.group(0) for match in ISSUE_NUMBER.finditer(text)]
+
+
+def test_no_internal_issue_numbers_in_the_tree() -> None:
+    found = []
+    searched = 0
+    for path in searched_files():
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            continue  # a binary file (a plot, a built helper)
+        searched += 1
+        for number, line in enumerate(text.splitlines(), 1):
+            for reference in issue_references(line):
+                found.append(f"{path.relative_to(REPO)}:{number}: {reference!r}: {line.strip()}")
+    assert searched > 100, "the walk found the tree"
+    assert found == [], "state the reason instead of the issue number:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    ("text", "found"),
+    [
+        ("(" + "issue" + " 12 item 4)", ["issue" + " 12"]),
+        ("Is" + "sue 19: a flood", ["Is" + "sue 19"]),
+        ("see " + "issue" + "#7", ["issue" + "#7"]),
+        ("fixed in " + "#" + "19.", ["#" + "19"]),
+        ("the PR #251 line of HAMi-core; 0x1F; C#; issues remain", []),
+    ],
+)
+def test_the_issue_number_check_finds_them(text: str, found: list[str]) -> None:
+    assert issue_references(text) == found

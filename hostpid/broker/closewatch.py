@@ -38,7 +38,7 @@ drops a reference on the file for every system call on a descriptor, in
 every thread; with the watchdog (the broker's only other thread while no
 client passes a descriptor) on a table of its own, the reactor thread's
 calls take the single-threaded path again, about 1.5 us less per
-transaction in mode I{received} (docs/performance.md).  So the watchdog
+transaction in mode I{received} (CHANGELOG.md, performance history).  So the watchdog
 makes no call that needs a descriptor: what it has to say (a log line, a
 stuck close for its owner) waits in its outbox, and the main thread, woken
 by the same signal, hands it to the reactor (L{CloseWatch.flush}).  It also

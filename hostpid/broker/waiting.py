@@ -6,7 +6,7 @@ fast path, L{BrokerFactory.answerWaiting}, answers the others) is held here
 until its request is complete, it ends, its deadline passes, or it is
 evicted.  Under a reconnecting flood almost every connection the broker
 accepts is one of these, and the broker can only drain its listen backlog
-as fast as it can take them in and shed them: issue 19 measured about 80 us
+as fast as it can take them in and shed them: about 80 us was measured
 of CPU per such connection when each was a whole Twisted transport (built,
 registered, given a deadline, aborted with a new C{Failure}, closed on the
 next turn), against a few us in the C yardstick, and real clients starved in

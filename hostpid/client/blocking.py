@@ -237,7 +237,7 @@ def probe(
     PID namespace the listener must have a real PID).  The gate is not
     required either: it is a workload's decision whether to ask at all, and
     an operator checking a broker from the host has no reason to carry it in
-    the shell (issue 21).  It is read and reported (L{ProbeReport.gate}) as
+    the shell.  It is read and reported (L{ProbeReport.gate}) as
     information.  A workload's question is L{query_host_pid}, not this.
 
     @param environ: where to read the gate reported (default: C{os.environ}).

@@ -1,7 +1,7 @@
 """
-Issue 18, item 1: a lingering socket nested inside a passed Unix socket.
+A lingering socket nested inside a passed Unix socket.
 
-The earlier fix (issue 12) met a lingering TCP socket passed directly: it is
+The earlier fix met a lingering TCP socket passed directly: it is
 an Internet socket, so the broker resets its linger and closes it at once.
 Nested one level down it is out of reach: a real UID 1000 attacker makes a
 Unix socket pair, sends the lingering TCP socket into one end's receive

@@ -143,7 +143,7 @@ async def test_active_connections_gauge_counts_a_silent_client(running: Running)
 
 @pytest_twisted.ensureDeferred
 async def test_evicted_outcome_is_counted(running: Running) -> None:
-    """Every slot held by a silent client: the next one evicts the oldest (issue 12)."""
+    """Every slot held by a silent client: the next one evicts the oldest."""
     limit = running.broker.factory.maxConnections
     running.broker.factory.maxConnections = 2
     socks = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(3)]

@@ -43,7 +43,7 @@ class Kernel:
         return f"{self.series}-{self.suite}"
 
 
-#: The matrix (issue 18): what production GPU nodes run.  Debian 13 (trixie)
+#: The matrix: what production GPU nodes run.  Debian 13 (trixie)
 #: itself ships 6.12; its 6.16 is in trixie-backports.
 KERNELS: tuple[Kernel, ...] = (
     Kernel("5.10", "bullseye"),
