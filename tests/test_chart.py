@@ -156,6 +156,7 @@ RENDERS: dict[str, dict[str, Any]] = {
         "image": {"repository": "registry.internal/hami/hostpid-broker", "tag": "0.1.0-1",
                   "pullPolicy": "Always", "pullSecrets": ["registry"]},
         "broker": {"maxConnections": 1024, "deadline": 0.25, "lockParent": "/var/tmp/vgpulock",
+                   "logFormat": "text",
                    "cdi": {"enabled": True, "directory": "/etc/cdi"}},
         "networkPolicy": {
             "monitoringNamespaceSelector": {"matchLabels": {"team": "observability"}},
@@ -307,6 +308,7 @@ def test_values_reach_the_broker_as_options() -> None:
     argv = container_argv(container)
     assert option_value(argv, "--max-connections") == "1024"
     assert option_value(argv, "--deadline") == "0.25"
+    assert option_value(argv, "--log-format") == "text"
     assert option_value(argv, "--cdi-dir") == "/etc/cdi"
     assert option_value(argv, "--lock-parent") == "/var/tmp/vgpulock"
     assert option_value(argv, "--metrics") == "tcp:9394:interface=0.0.0.0"
@@ -400,9 +402,8 @@ def test_the_design_value_names_are_the_same_settings() -> None:
     design's names, in HAMi users' values files) render exactly what the
     short names render, alone or together with the same value.
     """
-    for short, long in (("hostPIDBroker.enabled=true", "devicePlugin.hostPIDBroker.enabled=true"),
-                        ("hostPID=false", "devicePlugin.hostPID=false"),
-                        ("hostPIDBroker.enabled=false", "devicePlugin.hostPIDBroker.enabled=false")):
+    for short in ("hostPIDBroker.enabled=true", "hostPID=false", "hostPIDBroker.enabled=false"):
+        long = f"devicePlugin.{short}"
         expected = render(sets(short))
         assert render(sets(long)) == expected, long
         assert render(sets(short, long)) == expected, (short, long)
@@ -636,6 +637,7 @@ def test_rollout_and_rollback_change_the_gate_and_nothing_else() -> None:
                           ("cdi-dir", "/var/run/cdi", False), ("host-tmp", "/tmp", False)}
         # Even disabled, the broker prepares the lock parent and writes the CDI spec.
         argv = container_argv(container)
+        assert option_value(argv, "--log-format") == "json"
         assert option_value(argv, "--cdi-dir") == "/var/run/cdi"
         assert option_value(argv, "--lock-parent") == "/tmp/vgpulock"
 
