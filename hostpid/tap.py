@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -156,6 +157,15 @@ class Options(usage.Options):
          "level, logger, message and the event's own fields, where twistd writes its log "
          "(standard output with --nodaemon, else --logfile)."],
     ]
+
+    def opt_version(self) -> None:
+        """Print hostpid's version (as hostpid --version does), then Twisted's, and exit."""
+        from hostpid.cli import installed_version
+        from twisted import copyright
+
+        print(f"hostpid {installed_version()}")
+        print(f"Twisted {copyright.version}")
+        sys.exit(0)
 
     def postOptions(self) -> None:
         """
