@@ -159,8 +159,9 @@ def twistd_log_file(twistd_options: Mapping[str, Any] | None) -> IO[str]:
 
     @param twistd_options: twistd's own options (the plugin options'
         C{parent}); C{None} outside twistd: standard output.
-    @raise PathRuleError: C{--syslog} (JSON has no place there) or a daemon
-        asked to log to standard output, as twistd itself refuses.
+    @raise PathRuleError: C{--syslog} (JSON has no place there), a daemon
+        asked to log to standard output (as twistd itself refuses), or a log
+        file that cannot be opened.
     """
     if twistd_options is None:
         return sys.stdout
@@ -176,7 +177,11 @@ def twistd_log_file(twistd_options: Mapping[str, Any] | None) -> IO[str]:
         if not nodaemon:
             raise PathRuleError("--logfile -", "a daemon cannot log to standard output")
         return sys.stdout
-    log = logfile.LogFile.fromFullPath(name or "twistd.log")
+    path = name or "twistd.log"
+    try:
+        log = logfile.LogFile.fromFullPath(path)
+    except OSError as e:
+        raise PathRuleError(path, f"cannot open the log file (--logfile): {e.strerror}") from None
     _rotate_on_sigusr1(log)
     return log
 

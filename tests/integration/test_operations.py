@@ -408,6 +408,9 @@ def test_json_logs_go_to_twistds_logfile(tmp_path: Path) -> None:
 @pytest.mark.parametrize("twistd_args, args, line", [
     ((), ("--log-format", "yaml"),
      "hostpid-broker: cannot start: --log-format: must be one of text, json, got 'yaml'"),
+    (("--logfile", "/nonexistent/broker.log"), ("--log-format", "json"),
+     "hostpid-broker: cannot start: /nonexistent/broker.log: cannot open the log file "
+     "(--logfile): No such file or directory"),
     (("--syslog",), ("--log-format", "json"),
      "hostpid-broker: cannot start: --log-format json: writes JSON lines to twistd's log file "
      "or standard output; it cannot be combined with twistd --syslog (use --log-format text "
