@@ -15,13 +15,13 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NoReturn, TextIO
 
-from hostpid import defaults
+from hostpid import defaults, version
 
 if TYPE_CHECKING:
     from hostpid.client.trust import CheckResult, HostPidUnavailable
 
 #: The distribution whose version C{--version} prints.
-DISTRIBUTION = "hostpid-broker"
+DISTRIBUTION = version.DISTRIBUTION
 
 
 def _failure_line(command: str, problem: HostPidUnavailable, socket_path: str) -> str:
@@ -282,18 +282,6 @@ def _add_cdi_parser(commands: argparse._SubParsersAction[_Parser]) -> None:
     parser.set_defaults(run=_cdi)
 
 
-def installed_version() -> str:
-    """The installed distribution's version, else the package's own."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(DISTRIBUTION)
-    except PackageNotFoundError:
-        import hostpid
-
-        return hostpid.__version__
-
-
 #: The longest client deadline the command accepts, in seconds.  The broker
 #: answers within its own 0.5 s deadline; anything near this is a typo, and
 #: far larger values overflow the kernel's timeout types.
@@ -394,7 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(the broker itself is `twistd hostpid-broker`).",
     )
     parser.add_argument(
-        "--version", action="version", version=f"hostpid {installed_version()}",
+        "--version", action="version",
+        version=f"hostpid {version.installed_version(DISTRIBUTION)}",
         help="print `hostpid X.Y.Z` and exit",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")

@@ -160,10 +160,10 @@ class Options(usage.Options):
 
     def opt_version(self) -> None:
         """Print hostpid's version (as hostpid --version does), then Twisted's, and exit."""
-        from hostpid.cli import installed_version
+        from hostpid.version import version_line
         from twisted import copyright
 
-        print(f"hostpid {installed_version()}")
+        print(version_line())
         print(f"Twisted {copyright.version}")
         sys.exit(0)
 
