@@ -25,6 +25,7 @@ import json
 import math
 import signal
 import sys
+import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import IO, Any
@@ -52,9 +53,10 @@ LEGACY_KEYS = frozenset({"message", "time", "isError", "system", "format", "why"
                          "logLevel", "printed"})
 
 
-def _rfc3339(timestamp: object) -> str | None:
+def _rfc3339(timestamp: object) -> str:
+    """C{timestamp} in RFC 3339, UTC; now, for an event without a usable time."""
     if not isinstance(timestamp, (int, float)) or not math.isfinite(timestamp):
-        return None
+        timestamp = time.time()
     moment = datetime.fromtimestamp(timestamp, tz=UTC)
     return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 

@@ -47,6 +47,10 @@ def test_time_is_rfc3339_utc() -> None:
     assert json_record(event)["time"] == "2027-01-15T08:00:00.250000Z"
     moment = datetime.fromisoformat(str(json_record(event)["time"]))
     assert moment == datetime.fromtimestamp(1_800_000_000.25, tz=UTC)
+    del event["log_time"]  # an event made by hand: stamped now
+    before = datetime.now(UTC)
+    stamped = datetime.fromisoformat(str(json_record(event)["time"]))
+    assert before <= stamped <= datetime.now(UTC)
 
 
 def test_every_level_by_its_name() -> None:
