@@ -15,13 +15,13 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NoReturn, TextIO
 
-from hostpid import defaults
+from hostpid import defaults, version
 
 if TYPE_CHECKING:
     from hostpid.client.trust import CheckResult, HostPidUnavailable
 
 #: The distribution whose version C{--version} prints.
-DISTRIBUTION = "hostpid-broker"
+DISTRIBUTION = version.DISTRIBUTION
 
 
 def _failure_line(command: str, problem: HostPidUnavailable, socket_path: str) -> str:
@@ -64,7 +64,7 @@ def _probe(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     from hostpid.client import blocking as client
 
     try:
-        report = client.probe(args.socket, args.timeout)
+        report = client.probe(args.socket, args.timeout, trusted_uid=args.trusted_uid)
     except client.HostPidUnavailable as problem:
         stderr.write(_failure_line("probe", problem, args.socket))
         return 1
@@ -223,7 +223,7 @@ def _cdi(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     """
     C{hostpid cdi}: prepare the lock parent (and, with the gate on here, its
     broker mountpoint) as C{allocate} does, then write the CDI spec
-    atomically into C{--dir} (or print it, with C{--dir -}).  One line on
+    atomically into C{--cdi-dir} (or print it, with C{--cdi-dir -}).  One line on
     stderr naming the path and the rule when refused; nothing written then.
     """
     from hostpid.errors import PathRuleError
@@ -270,8 +270,9 @@ def _add_cdi_parser(commands: argparse._SubParsersAction[_Parser]) -> None:
         "refused, with nothing written.",
     )
     parser.add_argument(
-        "--dir", default=cdi.DEFAULT_SPEC_DIRECTORY, metavar="DIR",
-        help="CDI spec directory; '-' prints the spec instead (default: %(default)s)",
+        "--cdi-dir", "--dir", dest="dir", default=cdi.DEFAULT_SPEC_DIRECTORY, metavar="DIR",
+        help="CDI spec directory, as the broker's --cdi-dir (--dir: the older spelling); '-' "
+        "prints the spec instead (default: %(default)s)",
     )
     _host_path_options(parser)
     parser.add_argument(
@@ -279,18 +280,6 @@ def _add_cdi_parser(commands: argparse._SubParsersAction[_Parser]) -> None:
         help=f"cdiVersion to write, {cdi.MINIMUM_VERSION} or newer (default: %(default)s)",
     )
     parser.set_defaults(run=_cdi)
-
-
-def _version() -> str:
-    """The installed distribution's version, else the package's own."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(DISTRIBUTION)
-    except PackageNotFoundError:
-        import hostpid
-
-        return hostpid.__version__
 
 
 #: The longest client deadline the command accepts, in seconds.  The broker
@@ -368,6 +357,17 @@ def _host_path_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _uid(value: str) -> int:
+    """A UID: a whole number from 0 to 2**32 - 2 (the kernel's (uid_t)-1 means none)."""
+    try:
+        uid = int(value)
+    except ValueError:
+        uid = -1
+    if not 0 <= uid < 2**32 - 1:
+        raise argparse.ArgumentTypeError(f"--trusted-uid must be a UID, got {value!r}")
+    return uid
+
+
 def _timeout_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--timeout", type=_seconds("--timeout"), default=defaults.DEADLINE, metavar="S",
@@ -382,7 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(the broker itself is `twistd hostpid-broker`).",
     )
     parser.add_argument(
-        "--version", action="version", version=f"hostpid {_version()}",
+        "--version", action="version",
+        version=f"hostpid {version.installed_version(DISTRIBUTION)}",
         help="print `hostpid X.Y.Z` and exit",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
@@ -414,6 +415,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _socket_option(probe, defaults.BROKER_SOCKET, "the broker socket as the host sees it")
     _timeout_option(probe)
+    probe.add_argument(
+        "--trusted-uid", type=_uid, default=0, metavar="UID",
+        help="the UID that must own the broker's directory and socket and run it: another "
+        "for a broker run unprivileged with --directory (default: %(default)s)",
+    )
     probe.set_defaults(run=_probe)
 
     doctor = _subcommand(

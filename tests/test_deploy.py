@@ -1153,7 +1153,7 @@ def test_unit_states_what_the_broker_needs() -> None:
     assert unit_value("Type") == "notify", "READY=1 once listening"
     assert unit_value("NotifyAccess") == "main"
     argv = shlex.split(unit_value("ExecStart"))
-    assert argv[0] == "/usr/local/bin/twistd"
+    assert argv[0] == "/opt/hostpid/venv/bin/twistd", "the documented install's environment"
     assert argv[1:4] == ["--nodaemon", "--pidfile=", "hostpid-broker"]
     assert metrics_port(argv) is not None
     assert unit_environment()[GATE] == "1"
@@ -1195,9 +1195,9 @@ def verifiable_unit(tmp_path: Path) -> Path:
     executable = str(twistd) if twistd.exists() else shutil.which("twistd") or sys.executable
     copy_path = tmp_path / UNIT.name
     text = UNIT.read_text()
-    assert text.count("ExecStart=/usr/local/bin/twistd ") == 1
+    assert text.count("ExecStart=/opt/hostpid/venv/bin/twistd ") == 1
     copy_path.write_text(
-        text.replace("ExecStart=/usr/local/bin/twistd ", f"ExecStart={executable} ")
+        text.replace("ExecStart=/opt/hostpid/venv/bin/twistd ", f"ExecStart={executable} ")
     )
     return copy_path
 

@@ -4,7 +4,8 @@ imports another's private names.
 
 Layers, bottom up:
 
-  - shared: C{wire}, C{gate}, C{peercred}, C{starttime}, C{defaults}, C{errors}, C{logs};
+  - shared: C{wire}, C{gate}, C{peercred}, C{starttime}, C{defaults}, C{errors}, C{logs},
+    C{version};
     they import no side (and C{wire} nothing of the project at all);
   - sides: C{broker}, C{client}, C{node}; each imports the shared modules
     and its own side, never another side;
@@ -31,7 +32,7 @@ import pytest
 from support import REPO
 
 PACKAGE = REPO / "hostpid"
-SHARED = {"wire", "gate", "peercred", "starttime", "defaults", "errors", "logs"}
+SHARED = {"wire", "gate", "peercred", "starttime", "defaults", "errors", "logs", "version"}
 SIDES = {"broker", "client", "node"}
 TOP = {"", "cli", "testing", "tap", "allocation"}
 

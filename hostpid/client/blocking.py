@@ -225,6 +225,7 @@ def probe(
     socket_path: str = defaults.BROKER_SOCKET,
     deadline: float = defaults.DEADLINE,
     environ: Mapping[str, str] | None = None,
+    trusted_uid: int = 0,
 ) -> ProbeReport:
     """
     The operator's check that a broker serves: one transaction from the host
@@ -241,12 +242,17 @@ def probe(
     information.  A workload's question is L{query_host_pid}, not this.
 
     @param environ: where to read the gate reported (default: C{os.environ}).
+    @param trusted_uid: the UID that must own the directory and the socket
+        and run the listener: 0 for the production broker, another for a
+        broker run unprivileged on its own C{--directory}.
 
     @raise HostPidUnavailable: a check or stage failed, or the broker
         answered another PID (check C{reply}).
     @raise ValueError: C{deadline} is not a positive number of seconds.
     """
-    policy = TrustPolicy(socket_path=socket_path, deadline=deadline).without(READ_ONLY_MOUNT)
+    policy = TrustPolicy(
+        socket_path=socket_path, deadline=deadline, trusted_uid=trusted_uid
+    ).without(READ_ONLY_MOUNT)
     gate = check_gate(environ)
     pid, results = _checked_transaction(policy)
     own = os.getpid()
