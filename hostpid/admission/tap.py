@@ -94,12 +94,19 @@ class WebhookService(StreamServerEndpointService):
         super().__init__(endpoint, factory)
         self.config = config
 
-    def startService(self) -> None:
-        super().startService()
+    def privilegedStartService(self) -> None:
+        super().privilegedStartService()
+        assert self._waitingForPort is not None
+        self._waitingForPort.addCallback(self._listening)
+
+    def _listening(self, port: Any) -> Any:
+        address = port.getHost()
         self.log.info(
-            "hostpid-webhook: serving, mode {mode}, gate {gate}, resources {resources}",
-            mode=self.config.mode, gate="on" if self.config.gate else "off",
-            resources=list(self.config.resources))
+            "hostpid-webhook: listening on port {port}, mode {mode}, gate {gate}, "
+            "resources {resources}",
+            port=getattr(address, "port", address), mode=self.config.mode,
+            gate="on" if self.config.gate else "off", resources=list(self.config.resources))
+        return port
 
 
 def config_from(options: Options | dict[str, Any], environ: Any = None) -> Config:
