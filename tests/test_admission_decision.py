@@ -136,7 +136,8 @@ def test_cdi_mode_annotates_a_gpu_pod(where: str) -> None:
 def test_cdi_mode_adds_one_key_beside_other_annotations_escaped() -> None:
     original = pod(container("cuda"), annotations={"example.com/owner": "ml"})
     result, decision = applied(original, CDI)
-    assert decision.patch == ({"op": "add", "path": "/metadata/annotations/cdi.k8s.io~1hostpid-broker",
+    assert decision.patch == ({"op": "add",
+                               "path": "/metadata/annotations/cdi.k8s.io~1hostpid-broker",
                                "value": ANNOTATION_VALUE},)
     assert result["metadata"]["annotations"] == {"example.com/owner": "ml",
                                                  ANNOTATION_KEY: ANNOTATION_VALUE}

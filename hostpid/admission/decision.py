@@ -238,10 +238,10 @@ def _shadowing(pod_spec: Mapping[str, Any], qualifying: list[tuple[str, int, Map
     volumes = {v.get("name"): v for v in _list(pod_spec.get("volumes")) if isinstance(v, Mapping)}
     by_path = {want.container_path: want for want in _wanted(config)}
     problems: list[str] = []
-    for want in _wanted(config):
-        volume = volumes.get(want.volume)
-        if volume is not None and _host_path(volume) != clean_container_path(want.host_path):
-            problems.append(f"volume {want.volume!r} is the pod's own, not {want.host_path}")
+    for own in _wanted(config):
+        volume = volumes.get(own.volume)
+        if volume is not None and _host_path(volume) != clean_container_path(own.host_path):
+            problems.append(f"volume {own.volume!r} is the pod's own, not {own.host_path}")
     for field, index, container in qualifying:
         for mount in _list(container.get("volumeMounts")):
             if not isinstance(mount, Mapping) or not isinstance(mount.get("mountPath"), str):

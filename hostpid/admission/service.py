@@ -32,8 +32,13 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
-from prometheus_client import generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
 from twisted.internet.interfaces import IAddress
 from twisted.internet.protocol import connectionDone
 from twisted.logger import Logger
@@ -133,7 +138,9 @@ def review(body: bytes, config: Config) -> tuple[dict[str, Any], str, str]:
             or not isinstance(pod, dict) or request.get("operation", "CREATE") != "CREATE"):
         return _allowed(uid), NOT_POD, ""
     decision = decide(pod, config)
-    metadata = pod.get("metadata") if isinstance(pod.get("metadata"), dict) else {}
+    metadata = pod.get("metadata")
+    if not isinstance(metadata, dict):
+        metadata = {}
     name = request.get("name") or metadata.get("name") or metadata.get("generateName") or ""
     who = f"{request.get('namespace') or ''}/{name}"
     return _allowed(uid, decision), decision.outcome, who
@@ -163,7 +170,7 @@ class MutateResource(Resource):
     def render_POST(self, request: Request) -> bytes:
         started = self.clock()
         assert request.content is not None
-        body = request.content.getvalue()  # type: ignore[attr-defined]
+        body = request.content.getvalue()
         try:
             answer, outcome, who = review(body, self.config)
         except _BadReview as e:
@@ -241,7 +248,7 @@ class WebhookRequest(Request):
             return
         self.content.write(data)
 
-    def processingFailed(self, reason: Failure) -> None:  # type: ignore[override]
+    def processingFailed(self, reason: Failure) -> None:
         self.log.error("hostpid-webhook: request failed: {error}",
                        error=reason.getErrorMessage())
         body = b"internal error\n"
@@ -345,7 +352,7 @@ class WebhookSite(Site):
     def forget(self, channel: WebhookChannel) -> None:
         self._held.pop(channel, None)
 
-    def log(self, request: Request) -> None:
+    def log(self, request: http.Request) -> None:
         """No access log: every pod creation would be a line."""
 
 
