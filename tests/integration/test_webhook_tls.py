@@ -430,3 +430,37 @@ def test_health_ready_and_metrics(webhooks: dict[str, Webhook]) -> None:
     assert re.search(r'^hostpid_webhook_reviews_total\{outcome="gate_off"\} [1-9]', text, re.M)
     assert "hostpid_webhook_review_seconds_bucket" in text
     assert "python_gc" not in text, "a registry of its own"
+
+
+def test_a_tls_handshake_that_never_completes_is_cut(webhooks: dict[str, Webhook]) -> None:
+    """The deadline starts at the TCP connection: no TLS bytes, or half a ClientHello."""
+    webhook = webhooks["cdi"]
+    for first_bytes in (b"", b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03"):
+        with socket.create_connection(("127.0.0.1", webhook.port)) as raw:
+            raw.sendall(first_bytes)
+            started = time.monotonic()
+            raw.settimeout(REQUEST_TIMEOUT + scaled(5.0))
+            try:
+                while raw.recv(4096):
+                    pass
+            except ConnectionResetError:
+                pass
+            assert time.monotonic() - started < REQUEST_TIMEOUT + scaled(5.0)
+        still_answered(webhook)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--mode", "sidecar"], "--mode must be one of cdi, mounts, not 'sidecar'"),
+    (["--resource", "gpu"], "--resource 'gpu': an extended resource name (DOMAIN/NAME)"),
+    (["--request-timeout", "0"], "--request-timeout must be a number of seconds from 0 to 60"),
+    (["--endpoint", "nonsense:1"], "--endpoint 'nonsense:1': not a Twisted server endpoint"),
+    ([], "--endpoint is required"),
+])
+def test_a_bad_option_refuses_to_start(args: list[str], message: str) -> None:
+    argv = [*TWISTD, "--nodaemon", "--pidfile=", "hostpid-webhook"]
+    if "--endpoint" not in args and args:
+        argv += ["--endpoint", "tcp:0:interface=127.0.0.1"]
+    done = subprocess.run([*argv, *args], env=subprocess_env(), capture_output=True, text=True,
+                          timeout=WAIT_SECONDS * 4, cwd=tempfile.gettempdir(), check=False)
+    assert done.returncode != 0
+    assert message in done.stdout + done.stderr
