@@ -32,7 +32,15 @@ from typing import Any
 import jsonpatch
 import kubernetes_validate.utils as kubernetes_validate
 import pytest
-from support import TWISTD, WAIT_SECONDS, scaled, subprocess_env, wait_for
+from support import (
+    TWISTD,
+    WAIT_SECONDS,
+    as_user_argv,
+    require_root,
+    scaled,
+    subprocess_env,
+    wait_for,
+)
 from test_chart import by_kind, render, sets
 from test_deploy import KUBERNETES_VERSIONS, pod_rule_violations
 
@@ -61,17 +69,19 @@ def tls(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 class Webhook:
     """A real C{twistd hostpid-webhook} on a TLS port of its own."""
 
-    def __init__(self, tls: dict[str, Path], mode: str, gate: str) -> None:
+    def __init__(self, tls: dict[str, Path], mode: str, gate: str,
+                 argv: list[str] | None = None) -> None:
         self.tls = tls
         env = subprocess_env(LIBVGPU_HOSTPID_BROKER=gate)
         self._log = tempfile.TemporaryFile()
+        if argv is None:
+            argv = [*TWISTD, "--nodaemon", "--pidfile=", "hostpid-webhook",
+                    "--endpoint", f"ssl:0:interface=127.0.0.1:privateKey={tls['tls.key']}"
+                                  f":certKey={tls['tls.crt']}",
+                    "--mode", mode, "--resource", "nvidia.com/gpu",
+                    "--request-timeout", str(REQUEST_TIMEOUT)]
         self.process = subprocess.Popen(
-            [*TWISTD, "--nodaemon", "--pidfile=", "hostpid-webhook",
-             "--endpoint", f"ssl:0:interface=127.0.0.1:privateKey={tls['tls.key']}"
-                           f":certKey={tls['tls.crt']}",
-             "--mode", mode, "--resource", "nvidia.com/gpu",
-             "--request-timeout", str(REQUEST_TIMEOUT)],
-            env=env, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
+            argv, env=env, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
             cwd=tempfile.gettempdir())
         found = wait_for(self._port, "the webhook's listening line")
         self.port = int(found)  # type: ignore[call-overload]
@@ -464,3 +474,34 @@ def test_a_bad_option_refuses_to_start(args: list[str], message: str) -> None:
                           timeout=WAIT_SECONDS * 4, cwd=tempfile.gettempdir(), check=False)
     assert done.returncode != 0
     assert message in done.stdout + done.stderr
+
+
+def test_the_charts_webhook_container_serves_as_rendered(tls: dict[str, Path]) -> None:
+    """
+    The Deployment's own command, arguments and gate (mode mounts, gate on),
+    run as its non-root UID with no capability beyond reading the test's
+    files: the port and the Secret's mount path are the only changes.
+    """
+    require_root()
+    docs = render(sets("webhook.enabled=true", "webhook.mode=mounts", "webhook.gate=true",
+                       "hostPIDBroker.enabled=true"))
+    spec = by_kind(docs, "Deployment")["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    ((mount,),) = [container["volumeMounts"]]
+    uid = spec["securityContext"]["runAsUser"]
+    assert container["command"][0] == "twistd"
+    argv = [*TWISTD, *container["command"][1:], *container["args"]]
+    where = f"{mount['mountPath']}/"
+    port = f"ssl:{container['ports'][0]['containerPort']}:"
+    here = f"{tls['tls.key'].parent}/"
+    argv = [a.replace(port, "ssl:0:interface=127.0.0.1:").replace(where, here) for a in argv]
+    (gate,) = [e["value"] for e in container["env"] if e["name"] == "LIBVGPU_HOSTPID_BROKER"]
+    webhook = Webhook(tls, "mounts", gate, as_user_argv(uid, argv))
+    try:
+        status = Path(f"/proc/{webhook.process.pid}/status").read_text()
+        assert re.search(rf"^Uid:\s+{uid}\s+{uid}\s", status, re.M), status
+        result = patched(PODS["several containers"], webhook.review(PODS["several containers"]))
+        assert with_broker(result) == 2
+        valid(result)
+    finally:
+        webhook.stop()
