@@ -167,3 +167,41 @@ def test_a_newcomer_at_the_cap_evicts_the_oldest() -> None:
     for channel in (first, second, third):
         finish(channel)
     assert clock.getDelayedCalls() == []
+
+
+def test_the_bodies_held_at_once_are_bounded_and_given_back() -> None:
+    """
+    Slow clients each stopping short of the body cap cannot together hold
+    more than the site's budget: the chunk that would pass it is answered
+    503, and the budget comes back when a connection goes or a review is
+    answered.
+    """
+    clock = MemoryReactorClock()
+    metrics = WebhookMetrics()
+    budget = MAX_BODY + MAX_BODY // 2
+    site = service.WebhookSite(service.webhook_resource(Config(gate=True), metrics), metrics,
+                               timeout=TIMEOUT, maxBuffered=budget, reactor=clock)
+    chunk = b"z" * 65536
+    head = b"POST /mutate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+    def hold(channel: WebhookChannel, count: int) -> None:
+        channel.dataReceived(head)
+        for _ in range(count):
+            channel.dataReceived(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+
+    first, first_transport = connect(site, 1)
+    hold(first, 15)  # 960 KiB, short of the body cap
+    second, second_transport = connect(site, 2)
+    hold(second, 15)
+    assert second_transport.value().startswith(b"HTTP/1.1 503 ")
+    assert not first_transport.value(), "the first keeps its place"
+    assert site.buffered <= budget and refused(metrics, "busy") == 1
+    finish(second)
+    assert site.buffered == 15 * len(chunk)
+    finish(first)
+    assert site.buffered == 0, "a lost connection gives its bytes back"
+    third, third_transport = connect(site, 3)
+    third.dataReceived(review_bytes("after"))
+    assert b'"uid":"after"' in third_transport.value()
+    assert site.buffered == 0, "an answered review gives its bytes back"
+    finish(third)

@@ -19,7 +19,8 @@ C{_getContentFile}); each request must arrive whole within the site's
 timeout of the connection opening or the previous answer, trickling data
 not extending it (a slowloris holds a connection for that long at most);
 and at most L{MAX_CONNECTIONS} connections are held, a newcomer at the cap
-evicting the oldest.
+evicting the oldest; the bodies held at once are bounded too
+(L{MAX_BUFFERED}).
 """
 
 from __future__ import annotations
@@ -60,6 +61,12 @@ MAX_BODY = 1024 * 1024
 REQUEST_TIMEOUT = 10.0
 #: Connections held at once.  A few API servers keep a few connections each.
 MAX_CONNECTIONS = 256
+#: Request body bytes held at once over every connection.  Without this
+#: bound, MAX_CONNECTIONS slow clients each stopping just short of MAX_BODY
+#: would hold 256 MiB, past the chart's memory limit (128 MiB): the kernel
+#: would kill the webhook.  A chunk that would pass it is answered 503 and
+#: the connection closed; real reviews are a few kilobytes.
+MAX_BUFFERED = 32 * 1024 * 1024
 #: Latency buckets of the decision, in seconds.
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1.0)
 #: Outcomes beyond the decision's own: reviews answered without a decision.
@@ -86,10 +93,11 @@ class WebhookMetrics:
             buckets=LATENCY_BUCKETS, registry=self.registry)
         self.refused = Counter(
             "hostpid_webhook_refused_requests",
-            "Requests answered without a review: too_large (413), timed_out, evicted, "
-            "bad_request (400), method (405).",
+            "Requests answered without a review: too_large (413), busy (503: every body "
+            "byte the server holds at once in use), timed_out, evicted, bad_request (400), "
+            "method (405).",
             ["reason"], registry=self.registry)
-        for reason in ("too_large", "timed_out", "evicted", "bad_request", "method"):
+        for reason in ("too_large", "busy", "timed_out", "evicted", "bad_request", "method"):
             self.refused.labels(reason)
 
 
@@ -239,14 +247,43 @@ class WebhookRequest(Request):
         # channel has already refused anything over the cap.
         self.content = io.BytesIO()
 
+    _counted = 0
+
     def handleContentChunk(self, data: bytes) -> None:
         assert self.content is not None
-        if self.content.tell() + len(data) > MAX_BODY:
-            channel = self.channel
-            if isinstance(channel, WebhookChannel):
-                channel.refuse(413, b"the body is larger than %d bytes" % (MAX_BODY,))
+        channel = self.channel
+        if not isinstance(channel, WebhookChannel):
             return
+        if self.content.tell() + len(data) > MAX_BODY:
+            channel.refuse(413, b"the body is larger than %d bytes" % (MAX_BODY,))
+            return
+        site = channel.site
+        if site.buffered + len(data) > site.maxBuffered:
+            channel.refuse(503, b"too many request bytes held at once; retry")
+            return
+        site.buffered += len(data)
+        self._counted += len(data)
+        self._budget = site
         self.content.write(data)
+
+    def _release(self) -> None:
+        """Give this request's body bytes back to the site's budget (once)."""
+        site: WebhookSite | None = getattr(self, "_budget", None)
+        if self._counted and site is not None:
+            site.buffered -= self._counted
+        self._counted = 0
+
+    def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:
+        # Processing is synchronous: once it returns, the body is no longer needed.
+        try:
+            super().requestReceived(command, path, version)
+        finally:
+            self._release()
+            self.content = io.BytesIO()
+
+    def connectionLost(self, reason: Failure) -> None:
+        self._release()
+        super().connectionLost(reason)
 
     def processingFailed(self, reason: Failure) -> None:
         self.log.error("hostpid-webhook: request failed: {error}",
@@ -259,7 +296,7 @@ class WebhookRequest(Request):
         self.finish()
 
 
-_REASONS = {413: b"Content Too Large", 400: b"Bad Request"}
+_REASONS = {413: b"Content Too Large", 400: b"Bad Request", 503: b"Service Unavailable"}
 
 
 class WebhookChannel(http.HTTPChannel):
@@ -309,7 +346,8 @@ class WebhookChannel(http.HTTPChannel):
         """Answer C{code} and close; whatever else the client sends is dropped unread."""
         if self._refused:
             return
-        self.site.metrics.refused.labels("too_large" if code == 413 else "bad_request").inc()
+        reason = {413: "too_large", 503: "busy"}.get(code, "bad_request")
+        self.site.metrics.refused.labels(reason).inc()
         self._refused = True
         self.length = None  # so lineReceived, which called us, dispatches nothing
         body = text + b"\n"
@@ -331,10 +369,13 @@ class WebhookSite(Site):
 
     def __init__(self, resource: Resource, metrics: WebhookMetrics,
                  timeout: float = REQUEST_TIMEOUT, maxConnections: int = MAX_CONNECTIONS,
-                 reactor: Any = None) -> None:
+                 maxBuffered: int = MAX_BUFFERED, reactor: Any = None) -> None:
         super().__init__(resource, timeout=timeout, reactor=reactor)
         self.metrics = metrics
         self.maxConnections = maxConnections
+        self.maxBuffered = maxBuffered
+        #: Request body bytes held now, over every connection.
+        self.buffered = 0
         self._held: OrderedDict[WebhookChannel, None] = OrderedDict()
 
     def buildProtocol(self, addr: IAddress) -> WebhookChannel:  # type: ignore[override]
