@@ -24,7 +24,8 @@ Two modes:
    C{hami.io/hostpid=broker} (L{hostpid.node.cdi}).  WHERE THIS REACHES A
    RUNTIME, AND WHERE IT DOES NOT: containerd
    (C{internal/cri/server/container_create_linux.go} and 1.7's
-   C{pkg/cri/sbserver/container_create_linux.go}, C{containerSpecOpts}:
+   C{pkg/cri/server/} and C{pkg/cri/sbserver/container_create_linux.go},
+   C{containerSpecOpts}:
    C{customopts.WithCDI(config.Annotations, config.CDIDevices)}) and CRI-O
    (C{internal/factory/container/device_linux.go}, C{specInjectCDIDevices}:
    C{cdi.ParseAnnotations(c.Config().GetAnnotations())}) read CDI
