@@ -7,8 +7,9 @@ Layers, bottom up:
   - shared: C{wire}, C{gate}, C{peercred}, C{starttime}, C{defaults}, C{errors}, C{logs},
     C{version};
     they import no side (and C{wire} nothing of the project at all);
-  - sides: C{broker}, C{client}, C{node}; each imports the shared modules
-    and its own side, never another side;
+  - sides: C{broker}, C{client}, C{node}, C{admission}; each imports the
+    shared modules and its own side, never another side (but C{admission}
+    takes the canonical mounts and CDI names from C{node}, see L{ALLOWED});
   - the top: the package itself (the public API), C{cli} and C{testing},
     which may use the sides but not one another.
 
@@ -33,7 +34,7 @@ from support import REPO
 
 PACKAGE = REPO / "hostpid"
 SHARED = {"wire", "gate", "peercred", "starttime", "defaults", "errors", "logs", "version"}
-SIDES = {"broker", "client", "node"}
+SIDES = {"broker", "client", "node", "admission"}
 TOP = {"", "cli", "testing", "tap", "allocation"}
 
 
@@ -166,7 +167,12 @@ def layer(module: str) -> tuple[str, str]:
 
 #: Known edges across sides, each with its reason.  Keep this short: an edge
 #: here is a design decision someone has to be able to defend.
-ALLOWED: set[tuple[str, str]] = set()
+ALLOWED: set[tuple[str, str]] = {
+    # The webhook gives a pod exactly what an allocation gets: the same
+    # canonical mounts and the same CDI device name, never a copy of them.
+    ("hostpid.admission.decision", "hostpid.node.allocation"),
+    ("hostpid.admission.decision", "hostpid.node.cdi"),
+}
 
 
 def layering_problem(item: Import) -> str | None:

@@ -154,3 +154,20 @@ The combinations that cannot work fail the render, each with one message naming 
 {{- fail "broker.lockParent must not be /: its parent directory is mounted from the host" }}
 {{- end }}
 {{- end }}
+
+{{/*
+The admission webhook's labels: its own app.kubernetes.io/name, so that nothing selecting the
+brokers (the DaemonSet, the NetworkPolicy, the monitors) ever selects a webhook pod.
+*/}}
+{{- define "hostpid-broker.webhookSelector" -}}
+app.kubernetes.io/name: hostpid-webhook
+app.kubernetes.io/component: webhook
+{{- end }}
+
+{{- define "hostpid-broker.webhookLabels" -}}
+{{ include "hostpid-broker.webhookSelector" . }}
+app.kubernetes.io/part-of: hostpid
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
