@@ -29,7 +29,6 @@ Run with C{pytest -s} to see each pod's calls, host PIDs and times.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import tempfile
