@@ -140,12 +140,19 @@ APPLETS = ("sh", "sleep", "grep", "cat", "echo", "ls", "id", "test")
 
 
 def image_layer(busybox: Path, client: Path) -> bytes:
-    """One uncompressed layer: busybox and its applets in /bin, the C client, /tmp."""
+    """
+    One uncompressed layer: busybox and its applets in /bin, the C client,
+    /tmp, and an empty /usr with the merged-/usr links, for a pod that binds
+    the host's /usr to run Python.
+    """
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for directory, mode in (("bin", 0o755), ("dev", 0o755), ("proc", 0o755),
-                                ("sys", 0o755), ("etc", 0o755), ("tmp", 0o1777)):
+                                ("sys", 0o755), ("etc", 0o755), ("usr", 0o755),
+                                ("tmp", 0o1777)):
             _tar_entry(tar, directory, tarfile.DIRTYPE, mode)
+        for link in ("lib", "lib64"):
+            _tar_entry(tar, link, tarfile.SYMTYPE, 0o777, link=f"usr/{link}")
         _tar_entry(tar, "bin/busybox", tarfile.REGTYPE, 0o755, busybox.read_bytes())
         for applet in APPLETS:
             _tar_entry(tar, f"bin/{applet}", tarfile.SYMTYPE, 0o777, link="busybox")

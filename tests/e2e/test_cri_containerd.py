@@ -29,6 +29,7 @@ Run with C{pytest -s} to see each pod's calls, host PIDs and times.
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -63,7 +64,7 @@ from support import (
     subprocess_env,
     wait_for,
 )
-from test_runc import Node, allocate, private_node
+from test_runc import Node, PythonLayout, allocate, private_node
 
 from hostpid.broker.service import RECEIVE_DESCRIPTORS_ENV
 from hostpid.gate import GATE_ENV
@@ -77,17 +78,29 @@ WORKLOAD_UID = 1000
 #: the test creates C{go} in it once it has read the container's host PID.
 BARRIER = "/e2e-barrier"
 
-#: The container's init: facts first, then (released by the test, within a
-#: bound) the C client as the same process.
-SCRIPT = (
-    'echo "ns-pid $$"; '
-    'echo "gate ${' + GATE_ENV + '-unset}"; '
-    'echo "broker-mounts $(grep -c " /tmp/vgpulock/hostpid " /proc/self/mountinfo)"; '
-    'echo "uid $(id -u)"; '
-    f"i=0; while [ ! -e {BARRIER}/go ]; do "
-    "i=$((i+1)); [ $i -gt 1200 ] && exit 3; sleep 0.05; done; "
-    "exec /bin/hostpid_client"
-)
+#: The Python that runs these tests, as a container sees it when its pod binds
+#: it (and the host's /usr) read-only (the runc test's layout).
+PYTHON = PythonLayout.of_this_process()
+
+#: The contract clients: the static C client in the image, or C{hostpid query}.
+CLIENTS = {"c": "/bin/hostpid_client",
+           "python": f"{shlex.quote(PYTHON.executable)} -m hostpid.cli query"}
+
+
+def script(client: str) -> str:
+    """
+    The container's init: facts first, then (released by the test, within a
+    bound) the client as the same process.
+    """
+    return (
+        'echo "ns-pid $$"; '
+        'echo "gate ${' + GATE_ENV + '-unset}"; '
+        'echo "broker-mounts $(grep -c " /tmp/vgpulock/hostpid " /proc/self/mountinfo)"; '
+        'echo "uid $(id -u)"; '
+        f"i=0; while [ ! -e {BARRIER}/go ]; do "
+        "i=$((i+1)); [ $i -gt 1200 ] && exit 3; sleep 0.05; done; "
+        f"exec {CLIENTS[client]}"
+    )
 
 #: What a stock device plugin's allocation gives a GPU container.
 STOCK_ALLOCATION: dict[str, Any] = {"envs": {"NVIDIA_VISIBLE_DEVICES": "0"}}
@@ -116,13 +129,16 @@ class PodRun:
                 found[key] = value
         return found
 
-    def answer(self) -> tuple[int, int] | None:
-        """The client's C{HOSTPID GETPID} line, if it printed one."""
+    def answer(self) -> tuple[int, ...] | None:
+        """
+        The client's answer line, if it printed one: C{HOSTPID GETPID} from
+        the C client, C{HOSTPID} from C{hostpid query}.
+        """
         lines = [line.split() for line in self.stdout.splitlines()]
-        pairs = [(int(a), int(b)) for a, b, *rest in (ln for ln in lines if len(ln) == 2)
-                 if a.isdigit() and b.isdigit() and not rest]
-        assert len(pairs) <= 1, self.stdout
-        return pairs[0] if pairs else None
+        numbers = [tuple(int(n) for n in fields) for fields in lines
+                   if fields and len(fields) <= 2 and all(n.isdigit() for n in fields)]
+        assert len(numbers) <= 1, self.stdout
+        return numbers[0] if numbers else None
 
 
 class Kubelet:
@@ -234,7 +250,7 @@ def broker_env(mode: str) -> dict[str, str]:
 
 
 def barrier_dir(pod: Mapping[str, Any]) -> Path:
-    (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "e2e-barrier"]
+    (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "e2e-0"]
     return Path(volume["hostPath"]["path"])
 
 
@@ -252,17 +268,30 @@ def wait_running_pid(cri: Any, container_id: str) -> int:
     return found
 
 
-def new_pod(kubelet: Kubelet, name: str, **kwargs: Any) -> dict[str, Any]:
-    """A GPU pod of the test's image running L{SCRIPT}, with its barrier volume."""
+def new_pod(kubelet: Kubelet, name: str, client: str = "c", **kwargs: Any) -> dict[str, Any]:
+    """
+    A GPU pod of the test's image running L{script}, with its barrier volume;
+    for the Python client, also read-only hostPath volumes of the host's
+    C{/usr}, this Python and this working tree, and the env to use them.
+    """
     uid = str(uuid.uuid4())
     pod = kubeletlib.gpu_pod(f"{name}-{uuid.uuid4().hex[:6]}", uid,
-                             command=["/bin/sh", "-c", SCRIPT], **kwargs)
+                             command=["/bin/sh", "-c", script(client)], **kwargs)
     barrier = kubelet.pods_root / uid / "barrier"
     barrier.mkdir(parents=True, mode=0o755)
-    pod["spec"]["volumes"] = [{"name": "e2e-barrier",
-                               "hostPath": {"path": str(barrier), "type": "Directory"}}]
+    binds = [(str(barrier), BARRIER)]
+    if client == "python":
+        binds += [("/usr", "/usr"), *PYTHON.binds]
+        pod["spec"]["containers"][0]["env"] = [
+            {"name": "PYTHONPATH", "value": ":".join(PYTHON.pythonpath)},
+            {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
+            {"name": "HOME", "value": "/"},
+        ]
+    pod["spec"]["volumes"] = [{"name": f"e2e-{index}", "hostPath": {"path": host}}
+                              for index, (host, _) in enumerate(binds)]
     pod["spec"]["containers"][0]["volumeMounts"] = [
-        {"name": "e2e-barrier", "mountPath": BARRIER, "readOnly": True}]
+        {"name": f"e2e-{index}", "mountPath": inside, "readOnly": True}
+        for index, (_, inside) in enumerate(binds)]
     return pod
 
 
@@ -271,7 +300,8 @@ def assert_host_pid_answered(run: PodRun) -> None:
     assert run.facts() == {"ns-pid": "1", "gate": "1", "broker-mounts": "1",
                            "uid": str(WORKLOAD_UID)}, run.stdout
     assert run.host_pid is not None and run.host_pid > 1
-    assert run.answer() == (run.host_pid, 1), (run.answer(), run.host_pid)
+    # The broker's answer is the host PID; the C client's own getpid() is 1.
+    assert run.answer() in ((run.host_pid, 1), (run.host_pid,)), (run.answer(), run.host_pid)
 
 
 def assert_no_broker(run: PodRun) -> None:
@@ -286,16 +316,18 @@ def assert_no_broker(run: PodRun) -> None:
 # -- the device plugin's path: hostpid allocate -------------------------------------------
 
 
+@pytest.mark.parametrize("client", ["c", "python"])
 @pytest.mark.parametrize("mode", ["refused", "received"])
-def test_allocate_mounts_become_cri_mounts(kubelet: Kubelet, node: Node, mode: str) -> None:
+def test_allocate_mounts_become_cri_mounts(kubelet: Kubelet, node: Node, mode: str,
+                                           client: str) -> None:
     with running_broker(node.broker_dir, env=broker_env(mode)) as broker:
         mounts, envs, _ = allocate(node, "1", STOCK_ALLOCATION)
         response = {"envs": envs, "mounts": [
             {"containerPath": m.container_path, "hostPath": m.host_path,
              "readOnly": m.read_only} for m in mounts]}
-        run = kubelet.run(f"allocate mounts, broker {mode}", new_pod(kubelet, "alloc"), [response])
-        second = kubelet.run(f"allocate mounts, broker {mode}, again", new_pod(kubelet, "alloc"),
-                             [response])
+        name = f"allocate mounts, broker {mode}, {client} client"
+        run = kubelet.run(name, new_pod(kubelet, "alloc", client), [response])
+        second = kubelet.run(f"{name}, again", new_pod(kubelet, "alloc", client), [response])
     assert_host_pid_answered(run)
     assert_host_pid_answered(second)
     assert second.host_pid != run.host_pid
@@ -316,13 +348,16 @@ def allocate_json(node: Node, gate: str, *flags: str) -> dict[str, Any]:
     return response
 
 
-def test_allocate_cdi_device_reaches_containerd(kubelet: Kubelet, node: Node) -> None:
+@pytest.mark.parametrize("client", ["c", "python"])
+def test_allocate_cdi_device_reaches_containerd(kubelet: Kubelet, node: Node,
+                                                client: str) -> None:
     """C{hostpid allocate --cdi}: the kubelet's C{CDI_devices} field, containerd's CDI."""
     with running_broker(node.broker_dir):
         write_spec(kubelet, node)
         response = allocate_json(node, "1", "--cdi")
         assert response["cdiDevices"] == [{"name": BROKER_DEVICE}]
-        run = kubelet.run("allocate --cdi", new_pod(kubelet, "cdi"), [response])
+        run = kubelet.run(f"allocate --cdi, {client} client", new_pod(kubelet, "cdi", client),
+                          [response])
     assert run.cdi_devices == (BROKER_DEVICE,)
     assert_host_pid_answered(run)
 
@@ -381,13 +416,15 @@ def prepare_node(node: Node) -> None:
     allocate(node, "1")
 
 
+@pytest.mark.parametrize("client", ["c", "python"])
 @pytest.mark.parametrize("mode", ["refused", "received"])
 def test_webhook_mounts_mode_reaches_the_broker(kubelet: Kubelet, node: Node,
-                                                mode: str) -> None:
+                                                mode: str, client: str) -> None:
     with running_broker(node.broker_dir, env=broker_env(mode)):
         prepare_node(node)
-        pod = admitted(new_pod(kubelet, "wh-mounts"), node, "mounts", gate=True)
-        run = kubelet.run(f"webhook mounts, broker {mode}", pod, [STOCK_ALLOCATION])
+        pod = admitted(new_pod(kubelet, "wh-mounts", client), node, "mounts", gate=True)
+        run = kubelet.run(f"webhook mounts, broker {mode}, {client} client", pod,
+                          [STOCK_ALLOCATION])
     assert_host_pid_answered(run)
 
 
