@@ -97,6 +97,8 @@ def script(client: str) -> str:
         'echo "gate ${' + GATE_ENV + '-unset}"; '
         'echo "broker-mounts $(grep -c " /tmp/vgpulock/hostpid " /proc/self/mountinfo)"; '
         'echo "uid $(id -u)"; '
+        'if [ -S /tmp/vgpulock/hostpid/broker.sock ]; then echo "socket present"; '
+        'else echo "socket absent"; fi; '
         f"i=0; while [ ! -e {BARRIER}/go ]; do "
         "i=$((i+1)); [ $i -gt 1200 ] && exit 3; sleep 0.05; done; "
         f"exec {CLIENTS[client]}"
@@ -125,7 +127,7 @@ class PodRun:
         found = {}
         for line in self.stdout.splitlines():
             key, _, value = line.partition(" ")
-            if key in ("ns-pid", "gate", "broker-mounts", "uid"):
+            if key in ("ns-pid", "gate", "broker-mounts", "uid", "socket"):
                 found[key] = value
         return found
 
@@ -298,7 +300,7 @@ def new_pod(kubelet: Kubelet, name: str, client: str = "c", **kwargs: Any) -> di
 def assert_host_pid_answered(run: PodRun) -> None:
     assert run.exit_code == 0, (run.stdout, run.stderr)
     assert run.facts() == {"ns-pid": "1", "gate": "1", "broker-mounts": "1",
-                           "uid": str(WORKLOAD_UID)}, run.stdout
+                           "uid": str(WORKLOAD_UID), "socket": "present"}, run.stdout
     assert run.host_pid is not None and run.host_pid > 1
     # The broker's answer is the host PID; the C client's own getpid() is 1.
     assert run.answer() in ((run.host_pid, 1), (run.host_pid,)), (run.answer(), run.host_pid)
@@ -307,7 +309,7 @@ def assert_host_pid_answered(run: PodRun) -> None:
 def assert_no_broker(run: PodRun) -> None:
     """The workload's fallback: no gate, no broker mount, the client stops at the gate."""
     assert run.facts() == {"ns-pid": "1", "gate": "unset", "broker-mounts": "0",
-                           "uid": str(WORKLOAD_UID)}, run.stdout
+                           "uid": str(WORKLOAD_UID), "socket": "absent"}, run.stdout
     assert run.exit_code == 1
     assert run.answer() is None
     assert run.stderr.startswith("hostpid_client: gate: "), run.stderr
