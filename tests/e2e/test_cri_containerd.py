@@ -173,6 +173,8 @@ class Kubelet:
         termination_log.touch()
         config = kubeletlib.container_config(pb, pod, container, options, IMAGE,
                                              termination_log)
+        # createPodSandbox (kuberuntime_sandbox.go) makes the pod's log directory first.
+        Path(sandbox.log_directory).mkdir(mode=0o755, parents=True)
         started = time.monotonic()
         # EnsureImageExists (kuberuntime_image.go): the image is present, no pull.
         assert self.cri.image("ImageStatus", image=pb.ImageSpec(image=IMAGE)).image.id
