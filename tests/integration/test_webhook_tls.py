@@ -41,12 +41,14 @@ from support import (
     subprocess_env,
     wait_for,
 )
-from test_chart import by_kind, render, sets
+from test_chart import RELEASE_NAMESPACE, by_kind, render, sets
 from test_deploy import KUBERNETES_VERSIONS, pod_rule_violations
 
 from hostpid.admission.decision import ANNOTATION_KEY, ANNOTATION_VALUE
 
-SERVICE_NAME = "hostpid-webhook.default.svc"
+#: The name the API server checks the certificate against: the Service, in the
+#: namespace the chart is installed into.
+SERVICE_NAME = f"hostpid-webhook.{RELEASE_NAMESPACE}.svc"
 #: The request deadline the test webhooks run with: short, so that a
 #: slowloris is cut within the test, long enough for a loaded CI machine.
 REQUEST_TIMEOUT = scaled(2.0)
