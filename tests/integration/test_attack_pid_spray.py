@@ -216,6 +216,7 @@ def test_late_writers_are_answered_under_a_pid_spray(
         results = {gap: late_writers(broker.socket_path, gap) for gap in GAPS}
         assert attacker.poll() is None, "the spray lasted the whole test"
         assert broker.process.poll() is None, "the broker survived"
+        output = broker.output()
         attacker.kill()  # before the socket goes
         attacker.wait()
     figures = "; ".join(
@@ -241,4 +242,4 @@ def test_late_writers_are_answered_under_a_pid_spray(
         for verdicts in results.values()
     ), figures
     if refused:
-        assert "peer_gone transactions so far" in broker.output(), figures
+        assert "peer_gone transactions so far" in output, figures
