@@ -29,8 +29,12 @@ from hostpid.peercred import LivenessCheck, PeerGone, PeerIdentifier, PeerUnveri
 from hostpid.starttime import TICK_NS, boottime_ns
 
 
-def fork_with_pid(pid: int) -> int:
-    """Start a process that waits on a pipe, with PID C{pid}; return the pipe to end it."""
+def fork_waiting(pid: int) -> tuple[int, int]:
+    """
+    Start a process that waits on a pipe, after asking C{ns_last_pid} (root
+    only) for PID C{pid}; another process of the namespace may take it
+    first.  @return: the PID it got, and the pipe's write end that ends it.
+    """
     with open("/proc/sys/kernel/ns_last_pid", "w") as last:
         last.write(str(pid - 1))
     stop_read, stop_write = os.pipe()
@@ -40,6 +44,12 @@ def fork_with_pid(pid: int) -> int:
         os.read(stop_read, 1)
         os._exit(0)
     os.close(stop_read)
+    return child, stop_write
+
+
+def fork_with_pid(pid: int) -> int:
+    """Start a process that waits on a pipe, with PID C{pid}; return the pipe to end it."""
+    child, stop_write = fork_waiting(pid)
     if child != pid:
         raise SystemExit(f"wanted PID {pid}, got {child}")
     return stop_write

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import pytest
+from pidreuse import fork_waiting
 from support import require_root, running_broker
 
 from hostpid import wire
@@ -57,22 +58,14 @@ def wait_until(moment: int) -> None:
 
 def process_with_pid(pid: int, tries: int = 50) -> tuple[int, int]:
     """
-    A process that waits on a pipe, started with PID C{pid} through the
-    initial namespace's C{ns_last_pid} (root only).  Another process on the
-    host may take the PID first: then try again, boundedly.
+    A process that waits on a pipe, started with PID C{pid} in the initial
+    PID namespace (L{pidreuse.fork_waiting}).  Another process on the host
+    may take the PID first: then try again, boundedly.
 
     @return: its PID and the pipe's write end that ends it.
     """
     for _ in range(tries):
-        with open("/proc/sys/kernel/ns_last_pid", "w") as last:
-            last.write(str(pid - 1))
-        stop_read, stop_write = os.pipe()
-        child = os.fork()
-        if child == 0:  # pragma: no cover - runs in the child
-            os.close(stop_write)
-            os.read(stop_read, 1)
-            os._exit(0)
-        os.close(stop_read)
+        child, stop_write = fork_waiting(pid)
         if child == pid:
             return child, stop_write
         os.close(stop_write)
