@@ -20,8 +20,8 @@ import pytest
 from continuity import build_hamiload, continuous_load, no_fallbacks
 from support import (
     REPO,
-    BrokerProcess,
     WAIT_SECONDS,
+    BrokerProcess,
     as_user_argv,
     ask_pid,
     require_root,
@@ -62,6 +62,10 @@ def brokers() -> Iterator[list[BrokerProcess]]:
         broker.kill()
 
 
+def took_over(broker: BrokerProcess) -> None:
+    wait_for(lambda: "handover complete" in broker.output(), "the handover", WAIT_SECONDS)
+
+
 def inode(path: Path) -> int:
     return os.stat(path).st_ino
 
@@ -83,7 +87,7 @@ def test_handovers_back_to_back_leave_every_client_answered(
             new = BrokerProcess(directory, env=mode_env(mode, round_))
             brokers.append(new)
             assert old.wait_exit() == 0, old.output()
-            wait_for(lambda: "handover complete" in new.output(), "the handover", WAIT_SECONDS)
+            took_over(new)
             assert "socket left to the broker that took over" in old.output()
             assert new.process.poll() is None, new.output()
             assert inode(socket_path) == original, "the same socket, never a new one"
@@ -127,7 +131,7 @@ def test_a_sigkill_leaves_a_gap_that_the_next_broker_closes(
         third = BrokerProcess(directory)
         brokers.append(third)
         assert second.wait_exit() == 0, second.output()
-        wait_for(lambda: "handover complete" in third.output(), "the handover")
+        took_over(third)
     print(f"SIGKILL then restart: {report}")
     assert report["wrong"] == 0, no_fallbacks(report)
     assert ask_pid(socket_path) == os.getpid()
@@ -179,7 +183,9 @@ POSER = textwrap.dedent(
 )
 
 
-def run_poser(argv_prefix: list[str], control: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+def run_poser(
+    argv_prefix: list[str], control: Path, *extra: str
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [*argv_prefix, sys.executable, "-c", POSER, str(control), *extra],
         capture_output=True, text=True, timeout=WAIT_SECONDS, env=subprocess_env(),
@@ -238,7 +244,7 @@ def test_a_new_broker_dying_mid_handover_leaves_the_old_serving(
     new = BrokerProcess(directory)
     try:
         assert serving.wait_exit() == 0
-        wait_for(lambda: "handover complete" in new.output(), "the handover")
+        took_over(new)
     finally:
         new.terminate()
 
