@@ -31,7 +31,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from hostpid import defaults
-from hostpid.broker import connections, disabled, fsrules, handover
+from hostpid.broker import activation, connections, disabled, fsrules, handover
 from hostpid.broker.descriptors import (
     CLOSER_QUEUE,
     ROOM_MARGIN,
@@ -226,6 +226,7 @@ class BrokerService(Service):
         self.deadline = deadline
         self.reactor = reactor
         self.enabled = gate_enabled(environ)
+        self._environ = environ
         self.onFatal = onFatal if onFatal is not None else lambda: exit_process(reactor)
         self.watchInterval = watchInterval
         self.allowNonHostPidNamespace = allowNonHostPidNamespace
@@ -261,6 +262,10 @@ class BrokerService(Service):
         self.control: handover.ControlListener | None = None
         #: Set once this broker handed its listener to another.
         self.handedOver = False
+        #: Whether systemd holds the listener too (passed by socket
+        #: activation or the descriptor store, or stored): then it outlives
+        #: this process, and the path is left in place at stop.
+        self.listenerKept = False
         self._directoryFd: int | None = None
         self._lockFd: int | None = None
         self._watch: LoopingCall | None = None
@@ -360,7 +365,8 @@ class BrokerService(Service):
         # race-free by renameat2).
         self._prepareNode()
         takeover = self._takeover
-        if takeover is None:
+        passed = self._passedListener(expectedUid, use=takeover is None)
+        if takeover is None and passed is None:
             state = fsrules.clear_socket_path(self._directoryFd, self.directory, expectedUid)
             if state is fsrules.SocketPathState.STALE_REMOVED:
                 self.log.info(
@@ -378,10 +384,13 @@ class BrokerService(Service):
             self._listenerFailed,
             expectedUid=expectedUid,
             receiveDescriptors=self.receiveDescriptors,
-            listener=takeover.listener if takeover is not None else None,
-            identity=takeover.identity if takeover is not None else None,
+            listener=takeover.listener if takeover is not None
+            else passed[0] if passed is not None else None,
+            identity=takeover.identity if takeover is not None
+            else passed[1] if passed is not None else None,
         )
         self.port.startListening()
+        self._storeListener(stored=passed is not None)
         if self.port.descriptorMode is DescriptorMode.REFUSED:
             self.log.info(
                 "hostpid-broker: descriptor passing refused by the kernel (SO_PASSRIGHTS=0): "
@@ -436,6 +445,67 @@ class BrokerService(Service):
             )
         else:
             self._openControl(expectedUid)
+
+    def _passedListener(
+        self, expectedUid: int, use: bool
+    ) -> tuple[socket.socket, fsrules.SocketIdentity] | None:
+        """
+        The listener systemd passed (socket activation, or the descriptor
+        store after a restart), checked; C{None} if none was passed.  Other
+        descriptors passed are closed.
+
+        @raise fsrules.BrokerStartupError: one was passed that breaks a rule.
+        """
+        environ = os.environ if self._environ is None else self._environ
+        passed = activation.passed_descriptors(environ)
+        if self._environ is None:
+            activation.forget(os.environ)
+        chosen: tuple[socket.socket, fsrules.SocketIdentity] | None = None
+        try:
+            for descriptor in passed:
+                if use and chosen is None and descriptor.name == activation.LISTENER_NAME:
+                    assert self._directoryFd is not None
+                    chosen = activation.check_listener(
+                        descriptor.fd, self._directoryFd, self.directory, expectedUid
+                    )
+                elif descriptor.name != activation.LISTENER_NAME:
+                    self.log.warn(
+                        "hostpid-broker: passed descriptor {fd} named {name!r} is not the "
+                        "broker's listener; closed", fd=descriptor.fd, name=descriptor.name,
+                    )
+        except BaseException:
+            if chosen is not None:
+                chosen[0].close()
+            raise
+        finally:
+            for descriptor in passed:
+                os.close(descriptor.fd)
+        if chosen is not None:
+            self.listenerKept = True
+            self.log.info(
+                "hostpid-broker: listener passed by systemd (socket activation or descriptor "
+                "store): {path}, inode {inode}", path=self.socketPath, inode=chosen[1].inode,
+            )
+        return chosen
+
+    def _storeListener(self, stored: bool) -> None:
+        """Give systemd's descriptor store a copy of the listener, where there is one."""
+        environ = os.environ if self._environ is None else self._environ
+        if stored or self.port is None or not activation.store_enabled(environ):
+            return
+        try:
+            activation.store(self.port.socket, environ)
+        except OSError as e:
+            self.log.warn(
+                "hostpid-broker: cannot store the listener with systemd ({error}): a restart "
+                "will leave a gap", error=e.strerror,
+            )
+            return
+        self.listenerKept = True
+        self.log.info(
+            "hostpid-broker: listener stored with systemd (FDSTORE=1, FDNAME={name}): "
+            "it outlives a restart", name=activation.LISTENER_NAME,
+        )
 
     def _askForHandover(self, held: fsrules.LockHeld, expectedUid: int) -> handover.Takeover:
         """
@@ -622,6 +692,16 @@ class BrokerService(Service):
         )
         if self._watch is not None and self._watch.running:
             self._watch.stop()
+        if self.listenerKept:
+            # A stored listener no longer matches the path: the next start
+            # must bind anew, not be handed what it would refuse.  (It is
+            # still closed without a shutdown: systemd may hold it too.)
+            environ = os.environ if self._environ is None else self._environ
+            if activation.store_enabled(environ):
+                try:
+                    activation.remove_stored(environ)
+                except OSError:
+                    pass
         self.onFatal()
 
     def stopService(self) -> Deferred[None] | None:
@@ -645,6 +725,11 @@ class BrokerService(Service):
         if port is None or factory is None:
             self._release()
             return None
+        if self.listenerKept and not self.handedOver:
+            # systemd keeps the listener for the next start: connections made
+            # meanwhile wait in its queue.  Neither remove the path nor shut
+            # the socket down.
+            port.handOverPath()
         self.log.info("hostpid-broker: stopping: {path}", path=self.socketPath)
         stopped: Deferred[None] = maybeDeferred(port.stopListening)
 
@@ -653,6 +738,11 @@ class BrokerService(Service):
                 self.log.info(
                     "hostpid-broker: socket left to the broker that took over: {path}",
                     path=self.socketPath,
+                )
+            elif self.listenerKept:
+                self.log.info(
+                    "hostpid-broker: socket left in place: systemd keeps the listener for "
+                    "the next start: {path}", path=self.socketPath,
                 )
             elif port.removed:
                 self.log.info("hostpid-broker: socket removed: {path}", path=self.socketPath)
