@@ -28,6 +28,7 @@ startup refusal in one line, naming the rule.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import stat
 from collections.abc import Mapping
@@ -61,23 +62,43 @@ def passed_descriptors(environ: Mapping[str, str], pid: int | None = None) -> li
     meant).  Each is made close-on-exec.  Reading them twice is harmless;
     the caller unsets the variables (L{forget}).
     """
+    names = environ.get("LISTEN_FDNAMES", "").split(":") if environ.get("LISTEN_FDNAMES") else []
     try:
         listen_pid = int(environ.get("LISTEN_PID", ""))
         count = int(environ.get("LISTEN_FDS", ""))
     except ValueError:
-        return []
-    if listen_pid != (os.getpid() if pid is None else pid) or count <= 0:
-        return []
-    names = environ.get("LISTEN_FDNAMES", "").split(":") if environ.get("LISTEN_FDNAMES") else []
+        fds = _consumed_by_twisted()
+    else:
+        mine = listen_pid == (os.getpid() if pid is None else pid)
+        fds = list(range(LISTEN_FDS_START, LISTEN_FDS_START + count)) if mine else []
     passed = []
-    for index in range(min(count, MAX_PASSED)):
-        fd = LISTEN_FDS_START + index
+    for index, fd in enumerate(fds[:MAX_PASSED]):
         try:
             os.set_inheritable(fd, False)
         except OSError:
             continue
         passed.append(Passed(fd, names[index] if index < len(names) else "unknown"))
     return passed
+
+
+def _consumed_by_twisted() -> list[int]:
+    """
+    What Twisted took from the environment: importing
+    C{twisted.internet.endpoints} (twistd and the metrics option do) parses
+    and unsets C{LISTEN_PID} and C{LISTEN_FDS} at once, checking
+    C{LISTEN_PID} itself, and keeps the result on its C{systemd:} endpoint
+    parser (twisted/internet/endpoints.py, C{_SystemdParser._sddaemon}, read
+    from Twisted 26.10's source).  Its public C{ListenFDs.fromEnvironment}
+    finds nothing after that, so the record is read here; no Twisted that
+    lacks it is assumed to have consumed anything.
+    """
+    import sys
+
+    endpoints = sys.modules.get("twisted.internet.endpoints")
+    parser = getattr(endpoints, "_SystemdParser", None)
+    record = getattr(parser, "_sddaemon", None)
+    inherited = getattr(record, "inheritedDescriptors", None)
+    return list(inherited()) if callable(inherited) else []
 
 
 def forget(environ: dict[str, str] | os._Environ[str]) -> None:
@@ -135,10 +156,19 @@ def check_listener(
 
 
 def _same_path(bound: str, path: str) -> bool:
-    """C{/var/run} is C{/run}: compare the directories as the kernel resolves them."""
-    return os.path.basename(bound) == os.path.basename(path) and os.path.realpath(
-        os.path.dirname(bound)
-    ) == os.path.realpath(os.path.dirname(path))
+    """
+    Whether C{bound} (the listener's own name) is C{path}: the same
+    directory as the kernel resolves it (C{/var/run} is C{/run}), or, for a
+    listener this broker bound and stored, C{/proc/self/fd/N/broker.sock}:
+    a broker binds through its directory's descriptor, and that name is all
+    the kernel kept (the path's owner and mode are checked next).
+    """
+    if os.path.basename(bound) != os.path.basename(path):
+        return False
+    directory = os.path.dirname(bound)
+    if re.fullmatch(r"/proc/self/fd/[0-9]+", directory):
+        return True
+    return os.path.realpath(directory) == os.path.realpath(os.path.dirname(path))
 
 
 def store_enabled(environ: Mapping[str, str]) -> bool:
