@@ -1202,6 +1202,49 @@ def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     assert result.stdout + result.stderr == "", "no warning either (unknown keys are warnings)"
 
 
+SOCKET_UNIT = DEPLOY / "systemd" / "hostpid-broker.socket"
+
+
+def socket_unit_values(key: str) -> list[str]:
+    values, section = [], ""
+    for raw in SOCKET_UNIT.read_text().splitlines():
+        line = raw.strip()
+        if line.startswith("[") and line.endswith("]"):
+            section = line[1:-1]
+        elif line and line[0] not in "#;" and section == "Socket":
+            name, _, value = line.partition("=")
+            if name.strip() == key:
+                values.append(value.strip())
+    return values
+
+
+def test_socket_unit_states_the_rules_the_broker_checks() -> None:
+    """The passed listener is what the broker would have bound itself."""
+    assert socket_unit_values("ListenStream") == ["/run/hami/hostpid/broker.sock"]
+    assert os.path.realpath("/var/run") == "/run" or not os.path.exists("/var/run")
+    assert socket_unit_values("SocketMode") == [f"{defaults.SOCKET_MODE:04o}"]
+    assert socket_unit_values("DirectoryMode") == [f"{defaults.DIRECTORY_MODE:04o}"]
+    assert socket_unit_values("SocketUser") == ["root"]
+    assert socket_unit_values("FileDescriptorName") == ["broker"]
+    assert socket_unit_values("Backlog") == [str(defaults.LISTEN_BACKLOG)]
+    assert socket_unit_values("Service") == [UNIT.name]
+    # The service keeps its own listener too, across restarts.
+    assert int(unit_value("FileDescriptorStoreMax")) >= 1
+
+
+def test_both_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
+    analyze = require_tool("systemd-analyze")
+    service = verifiable_unit(tmp_path)
+    socket_copy = tmp_path / SOCKET_UNIT.name
+    socket_copy.write_text(SOCKET_UNIT.read_text())
+    result = subprocess.run(
+        [analyze, "verify", str(socket_copy), str(service)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout + result.stderr == "", "no warning either (unknown keys are warnings)"
+
+
 def test_unit_security_exposure_is_low(tmp_path: Path) -> None:
     """C{systemd-analyze security} rates exposure 0-10; require 2.0 or less ("OK")."""
     analyze = require_tool("systemd-analyze")
