@@ -149,6 +149,11 @@ class Options(usage.Options):
          "default."],
         ["lock-parent", None, defaults.LOCK_PARENT,
          "The host lock parent the CDI spec mounts at /tmp/vgpulock (with --cdi-dir)."],
+        ["ready-file", None, None,
+         "A file this broker creates once it holds the listener (bound, passed, or taken "
+         "over) and removes when it stops or hands over, for a readiness check that must "
+         "tell this broker from one it takes over from, e.g. /run/hostpid-ready/ready in a "
+         "container's own emptyDir.  Off by default."],
     ]
 
     def postOptions(self) -> None:
@@ -218,6 +223,7 @@ def _makeService(options: Options | dict[str, Any]) -> IService:
         allowNonHostPidNamespace=bool(options["allow-non-host-pid-namespace"]),
         prepareNode=_specPublisher(options),
         lockParent=options.get("lock-parent", defaults.LOCK_PARENT),
+        readyFile=options.get("ready-file"),
     )
     if options["metrics"]:
         from hostpid.broker.metrics import metrics_site

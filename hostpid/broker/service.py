@@ -193,6 +193,7 @@ class BrokerService(Service):
         receiveDescriptors: bool | None = None,
         maxPerPeer: int | None = None,
         onHandedOver: Callable[[], None] | None = None,
+        readyFile: str | None = None,
     ) -> None:
         """
         @param prepareNode: what the node side needs ready at every start,
@@ -214,6 +215,11 @@ class BrokerService(Service):
         @param onHandedOver: called once a new broker took the listener and
             the lock over (L{hostpid.broker.handover}); default: stop the
             reactor (twistd then exits 0).
+        @param readyFile: a path (in a place of this broker's own, such as
+            a container's emptyDir) created once this broker holds the
+            listener and removed when it stops or hands over: during a
+            handover both brokers answer on the socket, and only this tells
+            a readiness check which one it is.
         """
         if reactor is None:
             from twisted.internet import reactor as _reactor
@@ -253,6 +259,7 @@ class BrokerService(Service):
                     env=LIVENESS_ENV, value=forced,
                 )
         self.onHandedOver = onHandedOver if onHandedOver is not None else reactor.stop
+        self.readyFile = readyFile
         self.factory: BrokerFactory | None = None
         self.port: BrokerPort | None = None
         self.failed = False
@@ -437,6 +444,7 @@ class BrokerService(Service):
         self._watch = LoopingCall(self.checkSocketPath)
         self._watch.clock = self.reactor
         self._watch.start(self.watchInterval, now=False)
+        self._markReady(True)
         if takeover is not None:
             # TAKEN only once this reactor runs, so that the old broker stops
             # accepting only when this one does.
@@ -445,6 +453,24 @@ class BrokerService(Service):
             )
         else:
             self._openControl(expectedUid)
+
+    def _markReady(self, holding: bool) -> None:
+        """Create or remove L{readyFile}; a failure is logged, never fatal."""
+        if self.readyFile is None:
+            return
+        try:
+            if holding:
+                fd = os.open(self.readyFile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+                             | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+                os.write(fd, f"{os.getpid()}\n".encode())
+                os.close(fd)
+            else:
+                os.unlink(self.readyFile)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            self.log.warn("hostpid-broker: ready file {path}: {error}",
+                          path=self.readyFile, error=e.strerror)
 
     def _passedListener(
         self, expectedUid: int, use: bool
@@ -575,6 +601,7 @@ class BrokerService(Service):
     def _handOver(self, pid: int) -> None:
         """A new broker accepts on the listener: stop accepting, keep the path, stop."""
         self.handedOver = True
+        self._markReady(False)
         self.control = None
         if self._watch is not None and self._watch.running:
             self._watch.stop()
@@ -692,6 +719,7 @@ class BrokerService(Service):
         )
         if self._watch is not None and self._watch.running:
             self._watch.stop()
+        self._markReady(False)
         if self.listenerKept:
             # A stored listener no longer matches the path: the next start
             # must bind anew, not be handed what it would refuse.  (It is
@@ -715,6 +743,7 @@ class BrokerService(Service):
         if self._watch is not None and self._watch.running:
             self._watch.stop()
         self._watch = None
+        self._markReady(False)
         control, self.control = self.control, None
         if control is not None:
             control.close()

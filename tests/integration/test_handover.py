@@ -76,18 +76,24 @@ def test_handovers_back_to_back_leave_every_client_answered(
 ) -> None:
     require_root()
     socket_path = directory / "broker.sock"
-    first = BrokerProcess(directory, env=mode_env(mode, 0))
+    ready = [directory.parent / f"ready-{round_}" for round_ in range(HANDOVERS + 1)]
+    first = BrokerProcess(directory, ["--ready-file", str(ready[0])], env=mode_env(mode, 0))
     brokers.append(first)
     first.wait_listening()
+    assert ready[0].read_text() == f"{first.pid}\n"
     original = inode(socket_path)
     report: dict[str, object] = {}
     with continuous_load(hamiload, socket_path, report):
         for round_ in range(1, HANDOVERS + 1):
             old = brokers[-1]
-            new = BrokerProcess(directory, env=mode_env(mode, round_))
+            new = BrokerProcess(
+                directory, ["--ready-file", str(ready[round_])], env=mode_env(mode, round_)
+            )
             brokers.append(new)
             assert old.wait_exit() == 0, old.output()
             took_over(new)
+            # Ready means "this broker holds the listener": the old one's file is gone.
+            assert not ready[round_ - 1].exists() and ready[round_].exists()
             assert "socket left to the broker that took over" in old.output()
             assert new.process.poll() is None, new.output()
             assert inode(socket_path) == original, "the same socket, never a new one"
