@@ -149,6 +149,10 @@ class Options(usage.Options):
          "default."],
         ["lock-parent", None, defaults.LOCK_PARENT,
          "The host lock parent the CDI spec mounts at /tmp/vgpulock (with --cdi-dir)."],
+        ["after-handover", None, "exit",
+         "What this broker does once a newer one took its listener over: 'exit' (status 0; "
+         "systemd, a process supervisor) or 'wait' (stop serving and idle until SIGTERM: a "
+         "Kubernetes container that exited would be restarted and take the listener back)."],
         ["ready-file", None, None,
          "A file this broker creates once it holds the listener (bound, passed, or taken "
          "over) and removes when it stops or hands over, for a readiness check that must "
@@ -170,6 +174,10 @@ class Options(usage.Options):
                 )
             if self["metrics"]:
                 self.metricsEndpoint = parse_metrics_endpoint(self["metrics"])
+            if self["after-handover"] not in ("exit", "wait"):
+                raise BrokerStartupError(
+                    "--after-handover", f"must be 'exit' or 'wait', got {self['after-handover']!r}"
+                )
 
 
 class _ExitOnStartupError(RefuseInOneLine):
@@ -225,6 +233,10 @@ def _makeService(options: Options | dict[str, Any]) -> IService:
         lockParent=options.get("lock-parent", defaults.LOCK_PARENT),
         readyFile=options.get("ready-file"),
     )
+    if options.get("after-handover", "exit") == "wait":
+        # Stop serving, but leave the process (and twistd's reactor) running
+        # until the pod is deleted.
+        broker.onHandedOver = broker.stopService
     if options["metrics"]:
         from hostpid.broker.metrics import metrics_site
 

@@ -276,3 +276,28 @@ def test_the_codec_refuses_other_versions() -> None:
         handover.decode(b"HPID" + message[4:])
     with pytest.raises(handover.HandoverFailed, match="128 bytes"):
         handover.decode(message[:-1])
+
+
+def test_after_handover_wait_idles_until_sigterm(
+    directory: Path, brokers: list[BrokerProcess], tmp_path: Path
+) -> None:
+    """
+    In Kubernetes an exited container is restarted and would take the
+    listener back: with C{--after-handover wait} the old broker stops serving
+    and idles, unready, until its pod is deleted.
+    """
+    require_root()
+    ready_old, ready_new = tmp_path / "ready-old", tmp_path / "ready-new"
+    old = BrokerProcess(directory, ["--after-handover", "wait", "--ready-file", str(ready_old)])
+    brokers.append(old)
+    old.wait_listening()
+    new = BrokerProcess(directory, ["--after-handover", "wait", "--ready-file", str(ready_new)])
+    brokers.append(new)
+    took_over(new)
+    wait_for(lambda: "stopped; lock released" in old.output(), "the old broker's stop")
+    assert old.process.poll() is None, "still running, idle"
+    assert not ready_old.exists() and ready_new.exists()
+    assert ask_pid(directory / "broker.sock") == os.getpid()
+    assert old.terminate() == -signal.SIGTERM
+    assert ask_pid(directory / "broker.sock") == os.getpid(), "the new broker still serves"
+    assert "handed over" not in new.output(), "no handover back"
