@@ -90,20 +90,34 @@ EXEC_PROBE = re.compile(
     r'\[ "\$LIBVGPU_HOSTPID_BROKER" != 1 \] \|\| '
     r"exec hostpid probe --socket (?P<socket>/\S+) --timeout (?P<deadline>[0-9.]+)"
 )
+#: The readiness probe: the same, and only while this pod's broker holds the
+#: listener (its --ready-file exists): during a surge-first update's handover
+#: the old broker answers on the same socket.
+READY_PROBE = re.compile(
+    r'\[ "\$LIBVGPU_HOSTPID_BROKER" != 1 \] \|\| \{ \[ -e (?P<ready>/\S+) \] && '
+    r"exec hostpid probe --socket (?P<socket>/\S+) --timeout (?P<deadline>[0-9.]+); \}"
+)
 #: The smallest CPU request the rules accept: 10m is the smallest CFS weight there
 #: is (what the DaemonSet requested before issue 19), and 100m a small pod's.
 MIN_CPU_REQUEST_MILLICORES = 100
 
 
-def exec_probe_deadline(probe: Mapping[str, Any] | None) -> float | None:
-    """The C{--timeout} of an exec C{hostpid probe} on the broker socket, else C{None}."""
+def exec_probe_deadline(
+    probe: Mapping[str, Any] | None, ready_file: str | None = None
+) -> float | None:
+    """
+    The C{--timeout} of an exec C{hostpid probe} on the broker socket (gated
+    on C{ready_file} when given), else C{None}.
+    """
     if probe is None or set(probe) & {"httpGet", "tcpSocket", "grpc"}:
         return None
     command = probe.get("exec", {}).get("command", [])
     if len(command) != 3 or command[:2] != ["sh", "-c"]:
         return None
-    found = EXEC_PROBE.fullmatch(command[2])
+    found = (EXEC_PROBE if ready_file is None else READY_PROBE).fullmatch(command[2])
     if found is None or found["socket"] != f"{BROKER_DIRECTORY}/broker.sock":
+        return None
+    if ready_file is not None and found["ready"] != ready_file:
         return None
     return float(found["deadline"])
 
@@ -274,10 +288,16 @@ def pod_rule_violations(spec: Mapping[str, Any], where: str) -> list[str]:
                 problems.append(f"{name}: --metrics must listen on a declared containerPort")
             for kind in ("livenessProbe", "readinessProbe"):
                 probe = container.get(kind)
-                deadline = exec_probe_deadline(probe)
+                # Readiness: only while this pod's broker holds the listener.
+                ready_file = None
+                pattern = EXEC_PROBE
+                if kind == "readinessProbe":
+                    ready_file = option_value(argv, "--ready-file") or "(no --ready-file)"
+                    pattern = READY_PROBE
+                deadline = exec_probe_deadline(probe, ready_file)
                 if probe is None or deadline is None:
                     problems.append(
-                        f"{name}: {kind} must be exec sh -c '{EXEC_PROBE.pattern}' on "
+                        f"{name}: {kind} must be exec sh -c '{pattern.pattern}' on "
                         f"{BROKER_DIRECTORY}/broker.sock"
                     )
                 elif probe.get("timeoutSeconds", 1) < deadline + 1:
@@ -994,6 +1014,11 @@ def run_daemonset_container(doc: Mapping[str, Any]) -> None:
         (directory / "broker.lock").touch(mode=0o600)
         if cdi_dir is not None:
             layout.seen_from_here(cdi_dir).mkdir(parents=True, mode=0o755, exist_ok=True)
+        # The pod's own emptyDirs (the ready file's): empty directories, as kubelet makes them.
+        empty = {v["name"] for v in doc["spec"]["template"]["spec"]["volumes"] if "emptyDir" in v}
+        for mount in container["volumeMounts"]:
+            if mount["name"] in empty:
+                layout.seen_from_here(mount["mountPath"]).mkdir(parents=True, exist_ok=True)
 
         def run_probe(kind: str) -> subprocess.CompletedProcess[str]:
             return subprocess.run(
@@ -1040,7 +1065,10 @@ def run_daemonset_container(doc: Mapping[str, Any]) -> None:
             assert broker.terminate() == -signal.SIGTERM, broker.output()
         for kind in probes:
             after = run_probe(kind)
-            if gate == "1":
+            if gate == "1" and kind == "readinessProbe":
+                # The broker removed its ready file at its stop: not ready, at once.
+                assert after.returncode == 1 and after.stderr == "", (kind, after.stderr)
+            elif gate == "1":
                 assert after.returncode == 1, (kind, after.stdout)
                 assert after.stderr == (
                     f"hostpid probe: socket check failed: {BROKER_DIRECTORY}/broker.sock: "
@@ -1083,8 +1111,15 @@ def test_the_probes_fail_on_a_socket_that_listens_but_never_answers() -> None:
             silent.bind(str(directory / "broker.sock"))
             os.chmod(directory / "broker.sock", 0o666)
             silent.listen(64)
+            # As if this pod's broker held the listener (its ready file exists).
+            ready = option_value(container_argv(container), "--ready-file")
+            assert ready is not None
+            layout.seen_from_here(os.path.dirname(ready)).mkdir(parents=True, exist_ok=True)
+            layout.seen_from_here(ready).touch()
             for kind, command in probe_commands(container).items():
-                deadline = exec_probe_deadline(container[kind])
+                deadline = exec_probe_deadline(
+                    container[kind], ready if kind == "readinessProbe" else None
+                )
                 assert deadline is not None
                 started = time.monotonic()
                 done = subprocess.run(
