@@ -30,7 +30,6 @@ from support import (
     wait_for,
 )
 
-from hostpid.broker import handover
 from hostpid.broker.service import RECEIVE_DESCRIPTORS_ENV
 
 HANDOVERS = 20
@@ -265,17 +264,6 @@ def test_one_handover_at_a_time(directory: Path, serving: BrokerProcess) -> None
     assert "already in progress" in done.stdout
     first.close()
     still_serving(serving, directory)
-
-
-def test_the_codec_refuses_other_versions() -> None:
-    message = handover.encode(handover.Message(handover.Kind.OFFER, 1, 2, "x"))
-    assert handover.decode(message) == handover.Message(handover.Kind.OFFER, 1, 2, "x")
-    with pytest.raises(handover.HandoverFailed, match="version 2"):
-        handover.decode(message[:4] + b"\0\2" + message[6:])
-    with pytest.raises(handover.HandoverFailed, match="magic"):
-        handover.decode(b"HPID" + message[4:])
-    with pytest.raises(handover.HandoverFailed, match="128 bytes"):
-        handover.decode(message[:-1])
 
 
 def test_after_handover_wait_idles_until_sigterm(
