@@ -29,6 +29,10 @@ from typing import Any
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 LOADGEN_SOURCE = BENCH / "loadgen.c"
+#: Where every tool writes its report by default: one folder per UTC day,
+#: one entry per run in it.  Reports are generated and kept out of docs/,
+#: which holds the guides; docs/performance.md names the latest.
+REPORTS = BENCH / "reports"
 
 #: The one request of protocol version 1 ("HPID", version 1, command 1).
 REQUEST = b"HPID\x00\x01\x00\x01"
@@ -46,6 +50,17 @@ HOSTPID_COMMAND = (
 )
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def default_report(kind: str, suffix: str = "") -> Path:
+    """
+    A new report's path: C{bench/reports/DATE/KIND-TIME}C{suffix}, in UTC,
+    so that runs of one day sit together and never overwrite each other.
+    """
+    import datetime
+
+    now = datetime.datetime.now(datetime.UTC)
+    return REPORTS / now.strftime("%Y-%m-%d") / f"{kind}-{now.strftime('%H%M%SZ')}{suffix}"
 
 
 def build_loadgen(out_dir: Path) -> Path:

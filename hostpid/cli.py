@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import sys
 
-from hostpid import defaults
+from hostpid import defaults, version
 
 # Nothing heavier than that at import: C{hostpid probe} (an exec probe, a
 # fresh interpreter every few seconds on every node) parses its two options
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from hostpid.client.trust import CheckResult, HostPidUnavailable
 
 #: The distribution whose version C{--version} prints.
-DISTRIBUTION = "hostpid-broker"
+DISTRIBUTION = version.DISTRIBUTION
 
 
 def _failure_line(command: str, problem: HostPidUnavailable, socket_path: str) -> str:
@@ -69,7 +69,7 @@ def _probe(args: argparse.Namespace | _ProbeArguments, stdout: TextIO, stderr: T
     from hostpid.client.trust import HostPidUnavailable
 
     try:
-        report = transaction.probe(args.socket, args.timeout)
+        report = transaction.probe(args.socket, args.timeout, trusted_uid=args.trusted_uid)
     except HostPidUnavailable as problem:
         stderr.write(_failure_line("probe", problem, args.socket))
         return 1
@@ -228,7 +228,7 @@ def _cdi(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     """
     C{hostpid cdi}: prepare the lock parent (and, with the gate on here, its
     broker mountpoint) as C{allocate} does, then write the CDI spec
-    atomically into C{--dir} (or print it, with C{--dir -}).  One line on
+    atomically into C{--cdi-dir} (or print it, with C{--cdi-dir -}).  One line on
     stderr naming the path and the rule when refused; nothing written then.
     """
     from hostpid.errors import PathRuleError
@@ -275,8 +275,9 @@ def _add_cdi_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser
         "refused, with nothing written.",
     )
     parser.add_argument(
-        "--dir", default=cdi.DEFAULT_SPEC_DIRECTORY, metavar="DIR",
-        help="CDI spec directory; '-' prints the spec instead (default: %(default)s)",
+        "--cdi-dir", "--dir", dest="dir", default=cdi.DEFAULT_SPEC_DIRECTORY, metavar="DIR",
+        help="CDI spec directory, as the broker's --cdi-dir (--dir: the older spelling); '-' "
+        "prints the spec instead (default: %(default)s)",
     )
     _host_path_options(parser)
     parser.add_argument(
@@ -284,18 +285,6 @@ def _add_cdi_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser
         help=f"cdiVersion to write, {cdi.MINIMUM_VERSION} or newer (default: %(default)s)",
     )
     parser.set_defaults(run=_cdi)
-
-
-def _version() -> str:
-    """The installed distribution's version, else the package's own."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(DISTRIBUTION)
-    except PackageNotFoundError:
-        import hostpid
-
-        return hostpid.__version__
 
 
 #: The longest client deadline the command accepts, in seconds.  The broker
@@ -394,6 +383,25 @@ def _host_path_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _uid_value(value: str) -> int | None:
+    """A UID: a whole number from 0 to 2**32 - 2 (the kernel's (uid_t)-1 means none)."""
+    try:
+        uid = int(value)
+    except ValueError:
+        return None
+    return uid if 0 <= uid < 2**32 - 1 else None
+
+
+def _uid(value: str) -> int:
+    """L{_uid_value} as an argparse type, whose error names the option."""
+    import argparse
+
+    uid = _uid_value(value)
+    if uid is None:
+        raise argparse.ArgumentTypeError(f"--trusted-uid must be a UID, got {value!r}")
+    return uid
+
+
 def _timeout_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--timeout", type=_seconds("--timeout"), default=defaults.DEADLINE, metavar="S",
@@ -408,7 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(the broker itself is `twistd hostpid-broker`).",
     )
     parser.add_argument(
-        "--version", action="version", version=f"hostpid {_version()}",
+        "--version", action="version",
+        version=f"hostpid {version.installed_version(DISTRIBUTION)}",
         help="print `hostpid X.Y.Z` and exit",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
@@ -440,6 +449,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _socket_option(probe, defaults.BROKER_SOCKET, "the broker socket as the host sees it")
     _timeout_option(probe)
+    probe.add_argument(
+        "--trusted-uid", type=_uid, default=0, metavar="UID",
+        help="the UID that must own the broker's directory and socket and run it: another "
+        "for a broker run unprivileged with --directory (default: %(default)s)",
+    )
     probe.set_defaults(run=_probe)
 
     doctor = _subcommand(
@@ -492,14 +506,16 @@ def build_parser() -> argparse.ArgumentParser:
 class _ProbeArguments:
     """C{hostpid probe}'s options, as L{_probe} reads them."""
 
-    def __init__(self, socket: str, timeout: float) -> None:
+    def __init__(self, socket: str, timeout: float, trusted_uid: int) -> None:
         self.socket = socket
         self.timeout = timeout
+        self.trusted_uid = trusted_uid
 
 
 def _probe_arguments(argv: Sequence[str]) -> _ProbeArguments | None:
     """
-    C{probe [--socket PATH] [--timeout S]} (either as C{--opt=value}) parsed
+    C{probe [--socket PATH] [--timeout S] [--trusted-uid UID]} (each also as
+    C{--opt=value}) parsed
     without argparse, or C{None} for anything else, which then goes to the
     full parser: help, a usage error, an abbreviation, a value that starts
     with C{-}.  So the probe's behaviour is the parser's, at a fraction of
@@ -507,7 +523,7 @@ def _probe_arguments(argv: Sequence[str]) -> _ProbeArguments | None:
     """
     if not argv or argv[0] != "probe":
         return None
-    options = {"--socket": defaults.BROKER_SOCKET, "--timeout": None}
+    options = {"--socket": defaults.BROKER_SOCKET, "--timeout": None, "--trusted-uid": None}
     words = list(argv[1:])
     while words:
         name, equals, value = words.pop(0).partition("=")
@@ -526,7 +542,13 @@ def _probe_arguments(argv: Sequence[str]) -> _ProbeArguments | None:
         if seconds is None:
             return None
         timeout = seconds
-    return _ProbeArguments(str(options["--socket"]), timeout)
+    uid = 0
+    if options["--trusted-uid"] is not None:
+        parsed = _uid_value(options["--trusted-uid"])
+        if parsed is None:
+            return None
+        uid = parsed
+    return _ProbeArguments(str(options["--socket"]), timeout, uid)
 
 
 def main(

@@ -17,10 +17,11 @@ gives the pidfd's current PID instead, which must equal the one reported.
 Before Linux 6.5 there is no pidfd for the connecting process, only its PID.
 L{PeerIdentifier} then looks the PID up again with C{pidfd_open} (Linux
 5.3+), refuses it if the process it names started after the connection was
-accepted (L{hostpid.starttime}), and asks the same liveness question of that
-pidfd after reading the start time, so the start time read is that process's.
-A PID recycled before the accept (or within the accept's clock tick) is the
-window that remains; C{docs/security.md} states it.
+could have been made (L{PeerIdentifier.useConnectFloor}: the last moment
+the listener's backlog was seen empty; L{hostpid.starttime}), and asks the
+same liveness question of that pidfd after reading the start time, so the
+start time read is that process's.  A PID recycled within that moment's
+clock tick is the window that remains; C{docs/security.md} states it.
 """
 
 from __future__ import annotations
@@ -279,7 +280,12 @@ class PeerIdentifier:
         self._peerPidfd = peerPidfd
         self._pidfdOpen = pidfdOpen
         self.check: LivenessCheck | None = None
-        self.acceptClock: Callable[[], int] | None = boottime_ns
+        #: The earliest moment a connection being answered can have been
+        #: made (L{boottime_ns}): by default the moment of asking, which is
+        #: after its accept; a listening port that knows better (when it
+        #: last saw its backlog empty) sets its own (L{useConnectFloor}).
+        self.connectFloor: Callable[[], int] = boottime_ns
+        self.acceptClock: Callable[[], int] | None = self.connectFloor
         #: Why C{pidfd_open} cannot be used, if it cannot.
         self.pidfdOpenRefused = pidfd_open_refusal(pidfdOpen) if check is not _NONE else None
         #: Whether the liveness test is one C{pidfd_send_signal}, or (where
@@ -287,6 +293,9 @@ class PeerIdentifier:
         self.signalCheck = check is not _NONE and pidfd_signal_usable()
         #: Whether C{/proc} shows this PID namespace, so start times can be read.
         self.startTimes = proc_shows_own_namespace()
+        #: The least time (nanoseconds) in which the PID space can be cycled
+        #: (L{pid_cycle_ns}).
+        self.pidCycleNs = pid_cycle_ns()
         if check is not None:
             self._settle(check)
 
@@ -299,7 +308,26 @@ class PeerIdentifier:
         if check is _PIDFD_OPEN and self.pidfdOpenRefused is not None:
             check = _NONE
         self.check = check
-        self.acceptClock = boottime_ns if check is _PIDFD_OPEN else None
+        self.acceptClock = self.connectFloor if check is _PIDFD_OPEN else None
+
+    def useConnectFloor(self, floor: Callable[[], int]) -> None:
+        """
+        Compare callers' start times with C{floor()} rather than with the
+        moment of accepting: a lower bound on when the connection being
+        answered was made.
+
+        Why: a process that started after the connection was made cannot
+        be the one that made it, but a connection may wait in the listener's
+        backlog for as long as the broker does not accept (a stall, a
+        pause).  Meanwhile its maker may exit and its PID be given to a
+        process that starts I{before} the accept: compared with the accept,
+        that process would pass and be answered.  Compared with the last
+        moment the backlog was seen empty (every connection accepted since
+        was made after it), it is refused: the caller falls back, safely.
+        """
+        self.connectFloor = floor
+        if self.acceptClock is not None:
+            self.acceptClock = floor
 
     def _noPeerPidfd(self) -> None:
         """The first peer showed that this kernel has no C{SO_PEERPIDFD}: say what is used."""
@@ -387,6 +415,25 @@ class PeerIdentifier:
             raise PeerGone(f"connected as PID {pid}, now {current}")
         return pid
 
+    def connector_gone(self, sock: Socket, accepted: int = 0) -> bool:
+        """
+        Whether the process that connected C{sock} is known to have exited,
+        so that no request on it can ever be answered (L{host_pid} would
+        raise L{PeerGone}).  Asked of connections still waiting for their
+        request, to give up first the slots that can never serve anyone
+        (L{hostpid.broker.waiting}).  C{False} where it cannot be told:
+        with no liveness check, or when the kernel refuses the question.
+        """
+        if self.check is _NONE:
+            return False
+        try:
+            self.host_pid(sock, accepted)
+        except PeerGone:
+            return True
+        except PeerUnverified:
+            return False
+        return False
+
     def _openStartedBefore(self, pid: int, accepted: int) -> int:
         """
         L{LivenessCheck.PIDFD_OPEN}'s first two steps: a pidfd for whatever
@@ -410,10 +457,17 @@ class PeerIdentifier:
         # accept's, so the rule cannot refuse it and /proc is not read: the
         # usual case on the fast path, which checks within microseconds of
         # the accept.
-        if not self.startTimes or not accepted or boottime_ns() // TICK_NS == accepted // TICK_NS:
+        if not self.startTimes or not accepted:
+            return pidfd
+        now = boottime_ns()
+        # No process can take a PID that another left before the PID space
+        # has cycled: a process that started within PID_CYCLE of the bound
+        # on when the connection was made, and by now, cannot be a reuser.
+        bound = min(now, accepted + self.pidCycleNs)
+        if now // TICK_NS == bound // TICK_NS:
             return pidfd
         try:
-            late = started_after(pid, accepted)
+            late = started_after(pid, bound)
         except ProcessLookupError:
             os.close(pidfd)
             raise PeerGone(f"connected as PID {pid}, since exited") from None
@@ -425,8 +479,40 @@ class PeerIdentifier:
             raise PeerCredentialsFailed(f"/proc/{pid}/stat: not understood") from None
         if late:
             os.close(pidfd)
-            raise PeerGone(f"PID {pid} names a process started after the connection was accepted")
+            raise PeerGone(
+                f"PID {pid} names a process started after the connection could have been made"
+            )
         return pidfd
+
+
+#: PIDs a node allocates per second at most, by any means a tenant has:
+#: measured, one core cycling with C{clone(CLONE_VM|CLONE_VFORK)} allocates
+#: about 47,000 a second (32,420 in 0.4-0.8 s).  Generous by forty times,
+#: for many cores cloning at once: every allocation takes the kernel's one
+#: C{pidmap_lock}.
+PID_RATE = 2_000_000
+
+#: PIDs the kernel never hands out again on a cycle (C{RESERVED_PIDS}).
+_RESERVED_PIDS = 300
+
+
+def pid_cycle_ns(path: str = "/proc/sys/kernel/pid_max") -> int:
+    """
+    The least time in which a PID left by an exited process can name a new
+    one: the kernel allocates PIDs cyclically (C{alloc_pid},
+    C{idr_alloc_cyclic}), so a PID comes back only after the rest of the
+    space, C{pid_max} less the reserved PIDs, has been handed out, at
+    L{PID_RATE} at most.  Only root can choose a host PID
+    (C{ns_last_pid}, C{clone3}'s C{set_tid} need C{CAP_CHECKPOINT_RESTORE}
+    over the initial user namespace).  0, the strictest bound, where
+    C{pid_max} cannot be read.
+    """
+    try:
+        with open(path) as f:
+            pidMax = int(f.read())
+    except (OSError, ValueError):
+        return 0
+    return max(pidMax - _RESERVED_PIDS, 0) * 10**9 // PID_RATE
 
 
 _PEERPIDFD = LivenessCheck.PEERPIDFD

@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import gc
 import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
 from twisted.application.internet import StreamServerEndpointService
-from twisted.application.service import IService
+from twisted.application.service import IService, IServiceCollection
 from twisted.internet import endpoints
 from twisted.internet.interfaces import IProtocolFactory, IStreamServerEndpoint
+from twisted.logger import ILogObserver
 from twisted.python import usage
+from twisted.python.components import Componentized
 
-from hostpid import defaults
+from hostpid import defaults, logs
 from hostpid.broker.fsrules import BrokerStartupError
 from hostpid.broker.refusal import RefuseInOneLine, refuse_in_one_line
 from hostpid.broker.sdnotify import ReadinessNotifier
@@ -158,7 +161,20 @@ class Options(usage.Options):
          "over) and removes when it stops or hands over, for a readiness check that must "
          "tell this broker from one it takes over from, e.g. /run/hostpid-ready/ready in a "
          "container's own emptyDir.  Off by default."],
+        ["log-format", None, "text",
+         "text (twistd's) or json: one JSON object per line with time (RFC 3339, UTC), "
+         "level, logger, message and the event's own fields, where twistd writes its log "
+         "(standard output with --nodaemon, else --logfile)."],
     ]
+
+    def opt_version(self) -> None:
+        """Print hostpid's version (as hostpid --version does), then Twisted's, and exit."""
+        from hostpid.version import version_line
+        from twisted import copyright
+
+        print(version_line())
+        print(f"Twisted {copyright.version}")
+        sys.exit(0)
 
     def postOptions(self) -> None:
         """
@@ -178,6 +194,11 @@ class Options(usage.Options):
                 raise BrokerStartupError(
                     "--after-handover", f"must be 'exit' or 'wait', got {self['after-handover']!r}"
                 )
+            if self["log-format"] not in logs.LOG_FORMATS:
+                raise BrokerStartupError(
+                    "--log-format",
+                    f"must be one of {', '.join(logs.LOG_FORMATS)}, got {self['log-format']!r}",
+                )
 
 
 class _ExitOnStartupError(RefuseInOneLine):
@@ -186,7 +207,24 @@ class _ExitOnStartupError(RefuseInOneLine):
     exit status 1 (L{RefuseInOneLine}), the metrics port's failed listen
     included (L{MetricsEndpointService}), since twistd binds it in
     C{privilegedStartService}.
+
+    @ivar logObserver: with C{--log-format json}, the observer twistd is to
+        log through instead of its text one.
     """
+
+    logObserver: ILogObserver | None = None
+
+    def setServiceParent(self, parent: IServiceCollection) -> None:
+        """
+        twistd makes this service the child of its C{Application} and only
+        then starts logging, through the application's L{ILogObserver}
+        component when it has one (and no C{--logger} was given): that is
+        the documented place for an application's own log observer
+        (Twisted: C{twisted/application/app.py}, C{AppLogger.start}).
+        """
+        if self.logObserver is not None and isinstance(parent, Componentized):
+            parent.setComponent(ILogObserver, self.logObserver)
+        super().setServiceParent(parent)
 
     def startService(self) -> None:
         super().startService()
@@ -221,8 +259,16 @@ def _specPublisher(options: Options | dict[str, Any]) -> Callable[[bool], None] 
     )
 
 
+def _logObserver(options: Options | dict[str, Any]) -> ILogObserver | None:
+    """C{--log-format json}: JSON lines where twistd (the options' parent) logs."""
+    if options.get("log-format", "text") != "json":
+        return None
+    return logs.JSONLinesObserver(logs.twistd_log_file(getattr(options, "parent", None)))
+
+
 def _makeService(options: Options | dict[str, Any]) -> IService:
     top = _ExitOnStartupError()
+    top.logObserver = _logObserver(options)
     broker = BrokerService(
         directory=options["directory"],
         maxConnections=options["max-connections"],

@@ -18,18 +18,32 @@ Typical use (see C{docs/client.md} for a complete trial and pytest test)::
 
     with FakeBroker() as broker:
         assert hostpid.query_host_pid(broker.policy, broker.environ) == os.getpid()
+
+A test of code that retries, or that must survive a broker restart, gives a
+script instead: one step per connection, in order, in the manner of treq's
+C{RequestSequence} (treq, C{src/treq/testing.py}: a list of expected
+requests and canned responses, consumed in order; here the steps are what a
+broker does with a connection, since every request is the same)::
+
+    with FakeBroker(script=[Delay(0.3), Close(), Reply(pid=4242)]) as broker:
+        ...
+        broker.restart()    # a new socket at the same path, the old one gone
 """
 
 from __future__ import annotations
 
+import math
 import os
 import selectors
 import socket
 import stat
 import tempfile
 import threading
-from collections.abc import Mapping
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping
 from types import TracebackType
+from typing import Any, TypeAlias
 
 import attrs
 from twisted.logger import Logger
@@ -39,7 +53,7 @@ from hostpid.client.trust import PEER_PID, READ_ONLY_MOUNT, TrustPolicy
 from hostpid.gate import ENABLED_VALUE, GATE_ENV
 from hostpid.peercred import peer_credentials
 
-__all__ = ["FakeBroker"]
+__all__ = ["Close", "Delay", "FakeBroker", "Raw", "Reply", "Silent"]
 
 #: The longest C{sun_path} Linux accepts, terminating NUL excluded.
 _SUN_PATH_MAX = 107
@@ -51,56 +65,183 @@ _STOP_SECONDS = 10.0
 _log = Logger()
 
 
+# --- The steps of a script: what the double does with one connection. ---
+
+
+def _valid_pid(instance: object, attribute: attrs.Attribute[int | None], value: int | None) -> None:
+    if value is not None:
+        wire.encode_ok(value)  # ValueError outside 1..2**31-1
+
+
+@attrs.frozen
+class Reply:
+    """
+    Read the request and answer as the real broker does: the caller's own
+    PID (from C{SO_PEERCRED}) when C{pid} is C{None}, else C{pid}; an invalid
+    request gets status 1 and PID 0, a request cut short gets nothing.
+
+    @raise ValueError: a C{pid} outside 1..2^31-1.
+    """
+
+    pid: int | None = attrs.field(default=None, validator=_valid_pid)
+
+
+@attrs.frozen
+class Raw:
+    """
+    Read the eight request bytes, send exactly C{data} instead of a reply,
+    then close: a malformed, cut-short or refusing broker.
+
+    @raise TypeError: C{data} is not bytes.
+    """
+
+    data: bytes = attrs.field(validator=attrs.validators.instance_of(bytes))
+
+
+@attrs.frozen
+class Silent:
+    """Read the request and never answer, until the caller gives up or the double stops."""
+
+
+@attrs.frozen
+class Close:
+    """
+    Close the connection as soon as it is accepted, before reading anything
+    and with no reply, as the real broker closes a connection over its
+    limits (C{evicted}, C{over_limit}).
+    """
+
+
+def _seconds(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"seconds must be a number, not {type(value).__name__}")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"seconds must be a finite number of seconds, at least 0: {value!r}")
+
+
+def _step(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, _STEPS):
+        raise TypeError(f"then must be a step (Reply, Raw, Silent, Close, Delay), not {value!r}")
+
+
+@attrs.frozen
+class Delay:
+    """
+    Read the request, wait C{seconds}, then do C{then} (default: L{Reply}):
+    a slow broker.  The caller's deadline runs meanwhile; a caller that
+    gives up first is closed on.
+
+    @raise ValueError: C{seconds} is negative, infinite or NaN.
+    @raise TypeError: C{then} is not a step.
+    """
+
+    seconds: float = attrs.field(validator=_seconds)
+    then: Step = attrs.field(default=Reply(), validator=_step)
+
+
+#: Any step of a script.
+Step: TypeAlias = "Reply | Raw | Silent | Close | Delay"
+_STEPS = (Reply, Raw, Silent, Close, Delay)
+
+
 @attrs.define
 class _Connection:
-    """One accepted connection: what it sent, and what is left to send it."""
+    """One accepted connection: its step, what it sent, and what is left to send it."""
 
     sock: socket.socket
+    step: Reply | Raw | Silent | Close | Delay
     request: bytes = b""
     outgoing: bytes = b""
-    answered: bool = False
+    #: The request has been read whole (or the connection has been read to its end).
+    read: bool = False
+    #: Something has been queued to send; once sent, the connection closes.
+    answering: bool = False
+    #: When a L{Delay} ends (C{time.monotonic}), and what comes then.
+    due: float | None = None
+    then: Reply | Raw | Silent | Close | Delay | None = None
+    #: Whether the selector still watches it (not after the caller's end of
+    #: file during a L{Delay}: the delay still runs, as for a half-closed caller).
+    watched: bool = True
 
 
 class FakeBroker:
     """
     A broker double on a real Unix socket.  Give at most one of C{pid},
-    C{reply} and C{silent}:
+    C{reply}, C{silent} and C{script}:
 
       - nothing: each caller is answered with its own PID, from
-        C{SO_PEERCRED}, as the real broker answers it;
-      - C{pid}: every valid request is answered with that PID;
+        C{SO_PEERCRED}, as the real broker answers it (every connection
+        gets L{Reply}C{()});
+      - C{pid}: every valid request is answered with that PID
+        (L{Reply}C{(pid)});
       - C{reply}: every connection that sends its eight request bytes gets
         exactly these bytes instead of a reply, then the connection closes
-        (a malformed, cut-short or refusing broker);
+        (L{Raw}C{(reply)});
       - C{silent=True}: requests are read and never answered, until the
-        caller gives up (its deadline) or L{stop} closes the connection.
+        caller gives up (its deadline) or L{stop} closes the connection
+        (L{Silent}C{()});
+      - C{script}: one step per accepted connection, in order (L{Reply},
+        L{Raw}, L{Silent}, L{Close}, L{Delay}); a connection accepted once
+        the script is used up is closed at once with no reply and counted
+        in L{unscripted}, so that a test sees a connection it did not
+        expect.  L{restart} does not rewind the script.
 
-    Without C{reply}, a request that is not the version 1 get-host-PID
-    request gets status 1 and PID 0, and a connection that closes before
-    sending eight bytes gets nothing, as from the real broker.
+    C{deadline} is the client deadline, in seconds, of L{policy} (default
+    the production one, 0.5 s): a test of a silent or slow broker sets it
+    short, or long enough for a L{Delay}.
 
     @ivar requests: the bytes each connection sent (up to eight), in the
         order they were read; a test can check what its code sent.
     @ivar connections: how many connections were accepted.
+    @ivar unscripted: how many connections came after the script was used up.
+    @ivar restarts: how many times L{restart} made a new socket.
     """
 
     def __init__(
-        self, pid: int | None = None, reply: bytes | None = None, silent: bool = False
+        self,
+        pid: int | None = None,
+        reply: bytes | None = None,
+        silent: bool = False,
+        script: Iterable[Reply | Raw | Silent | Close | Delay] | None = None,
+        deadline: float = defaults.DEADLINE,
     ) -> None:
-        given = [name for name, value in (("pid", pid), ("reply", reply)) if value is not None]
+        given = [
+            name
+            for name, value in (("pid", pid), ("reply", reply), ("script", script))
+            if value is not None
+        ]
         if silent:
             given.append("silent")
         if len(given) > 1:
-            raise ValueError(f"give at most one of pid, reply and silent, not {', '.join(given)}")
-        self._fixed: bytes | None = None
-        if pid is not None:
-            self._fixed = wire.encode_ok(pid)  # ValueError outside 1..2**31-1
+            raise ValueError(
+                f"give at most one of pid, reply, silent and script, not {', '.join(given)}"
+            )
         if reply is not None and not isinstance(reply, bytes):
             raise TypeError(f"reply must be bytes, not {type(reply).__name__}")
-        self._reply = reply
-        self._silent = silent
+        self._script: deque[Reply | Raw | Silent | Close | Delay] | None = None
+        self._script_lock = threading.Lock()
+        self._always: Reply | Raw | Silent | Close | Delay = Reply()
+        if script is not None:
+            steps = list(script)
+            for step in steps:
+                if not isinstance(step, _STEPS):
+                    raise TypeError(
+                        f"a script step must be Reply, Raw, Silent, Close or Delay, not {step!r}"
+                    )
+            self._script = deque(steps)
+        elif pid is not None:
+            self._always = Reply(pid)
+        elif reply is not None:
+            self._always = Raw(reply)
+        elif silent:
+            self._always = Silent()
+        # The policy's own validation: a positive finite number of seconds.
+        TrustPolicy(deadline=deadline)
+        self._deadline = deadline
         self.requests: list[bytes] = []
         self.connections = 0
+        self.unscripted = 0
+        self.restarts = 0
         self._directory: str | None = None
         self._listener: socket.socket | None = None
         self._identity: tuple[int, int] | None = None
@@ -127,7 +268,8 @@ class FakeBroker:
         the calling process, which in a container, the usual place for CI,
         is exactly what C{peer-pid} refuses there), with this process's
         effective UID as the trusted UID (it owns the directory and the
-        socket, and listens on it).  Never copy this policy to a workload.
+        socket, and listens on it), and the C{deadline} given to the
+        constructor.  Never copy this policy to a workload.
 
         @raise RuntimeError: the broker is not running.
         """
@@ -140,6 +282,12 @@ class FakeBroker:
         """An environment with the gate on, for the clients' C{environ} argument."""
         return {GATE_ENV: ENABLED_VALUE}
 
+    @property
+    def remaining(self) -> tuple[Reply | Raw | Silent | Close | Delay, ...]:
+        """The steps of the script not yet used (empty without a script)."""
+        with self._script_lock:
+            return tuple(self._script or ())
+
     def start(self) -> FakeBroker:
         """
         Make the directory and the socket and start serving.
@@ -150,12 +298,39 @@ class FakeBroker:
         if self._state != "new":
             raise RuntimeError(f"FakeBroker is {self._state}: a FakeBroker starts once")
         try:
-            self._open()
+            self._directory = _private_directory()
+            path = os.path.join(self._directory, defaults.SOCKET_NAME)
+            self._policy = TrustPolicy(
+                socket_path=path, trusted_uid=os.geteuid(), deadline=self._deadline
+            ).without(READ_ONLY_MOUNT, PEER_PID)
+            self._listen()
         except BaseException:
             self._close()
             self._state = "stopped"
             raise
         self._state = "running"
+        return self
+
+    def restart(self) -> FakeBroker:
+        """
+        Stop serving and serve again at the same path, as a restarted broker
+        does: every open connection is closed with no reply, the socket is
+        removed, and a new socket (another inode) is bound at the same path.
+        Clients that connect during the restart find no socket.  The script
+        goes on where it was; L{policy} stays valid.
+
+        @raise RuntimeError: the broker is not running.
+        @raise OSError: the new socket could not be made (the broker is then stopped).
+        """
+        if self._state != "running":
+            raise RuntimeError(f"FakeBroker is {self._state}: only a running FakeBroker restarts")
+        self._halt()
+        try:
+            self._listen()
+        except BaseException:
+            self.stop()
+            raise
+        self.restarts += 1
         return self
 
     def stop(self) -> None:
@@ -187,8 +362,9 @@ class FakeBroker:
 
     # --- Making and unmaking. ---
 
-    def _open(self) -> None:
-        self._directory = _private_directory()
+    def _listen(self) -> None:
+        """Bind and listen at the socket path, and start the serving thread."""
+        assert self._directory is not None
         path = os.path.join(self._directory, defaults.SOCKET_NAME)
         listener = socket.socket(
             socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC
@@ -199,15 +375,14 @@ class FakeBroker:
         self._identity = (info.st_dev, info.st_ino)
         listener.listen(socket.SOMAXCONN)
         self._wake = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        self._policy = TrustPolicy(socket_path=path, trusted_uid=os.geteuid()).without(
-            READ_ONLY_MOUNT, PEER_PID
-        )
+        self._stopping.clear()
         self._thread = threading.Thread(
             target=self._serve, name=f"hostpid FakeBroker {path}", daemon=True
         )
         self._thread.start()
 
-    def _close(self) -> None:
+    def _halt(self) -> None:
+        """End the thread, close the listener and every connection, remove our socket."""
         thread, self._thread = self._thread, None
         if thread is not None:
             self._stopping.set()
@@ -222,12 +397,22 @@ class FakeBroker:
         wake, self._wake = self._wake, None
         for fd in wake or ():
             os.close(fd)
+        if self._directory is not None:
+            self._remove_socket(self._directory)
+
+    def _close(self) -> None:
+        self._halt()
         directory, self._directory = self._directory, None
         if directory is not None:
-            self._remove(directory)
+            try:
+                os.rmdir(directory)
+            except OSError as error:
+                # Something else was put there: it is not ours to delete.
+                _log.warn("FakeBroker: {path}: left in place: {error}",
+                          path=directory, error=error)
 
-    def _remove(self, directory: str) -> None:
-        """Remove the socket if it is still ours, then the directory if it is empty."""
+    def _remove_socket(self, directory: str) -> None:
+        """Remove the socket if it is still the one we bound (by device and inode)."""
         try:
             fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as error:
@@ -245,13 +430,15 @@ class FakeBroker:
                 os.unlink(defaults.SOCKET_NAME, dir_fd=fd)
         finally:
             os.close(fd)
-        try:
-            os.rmdir(directory)
-        except OSError as error:
-            # Something else was put there: it is not ours to delete.
-            _log.warn("FakeBroker: {path}: left in place: {error}", path=directory, error=error)
 
     # --- Serving, on the broker's own thread. ---
+
+    def _next_step(self) -> Reply | Raw | Silent | Close | Delay | None:
+        """The step for a newly accepted connection; C{None} once the script is used up."""
+        if self._script is None:
+            return self._always
+        with self._script_lock:
+            return self._script.popleft() if self._script else None
 
     def _serve(self) -> None:
         listener, wake = self._listener, self._wake
@@ -262,11 +449,19 @@ class FakeBroker:
             selector.register(wake[0], selectors.EVENT_READ)
             try:
                 while not self._stopping.is_set():
-                    for key, events in selector.select():
+                    dues = [c.due for c in connections.values() if c.due is not None]
+                    timeout = max(0.0, min(dues) - time.monotonic()) if dues else None
+                    for key, events in selector.select(timeout):
                         if key.fileobj is listener:
                             self._accept(listener, selector, connections)
                         elif isinstance(key.data, _Connection):
                             self._service(key.data, events, selector, connections)
+                    now = time.monotonic()
+                    for connection in list(connections.values()):
+                        if connection.due is not None and connection.due <= now:
+                            then, connection.due, connection.then = connection.then, None, None
+                            assert then is not None
+                            self._act(connection, then, selector, connections)
             finally:
                 for connection in connections.values():
                     connection.sock.close()
@@ -285,9 +480,15 @@ class FakeBroker:
             except OSError as error:
                 _log.warn("FakeBroker: accept failed: {error}", error=error)
                 return
-            sock.setblocking(False)
             self.connections += 1
-            connection = _Connection(sock)
+            step = self._next_step()
+            if step is None or isinstance(step, Close):
+                if step is None:
+                    self.unscripted += 1
+                sock.close()
+                continue
+            sock.setblocking(False)
+            connection = _Connection(sock, step)
             connections[sock.fileno()] = connection
             selector.register(sock, selectors.EVENT_READ, connection)
 
@@ -300,29 +501,83 @@ class FakeBroker:
     ) -> None:
         try:
             if events & selectors.EVENT_READ and not self._read(connection):
+                if connection.due is not None:
+                    # End of file during a delay: a half-closed caller still
+                    # waits for its answer; a gone one fails the send.
+                    selector.unregister(connection.sock)
+                    connection.watched = False
+                    return
                 self._drop(connection, selector, connections)
                 return
+            if connection.read and not connection.answering and connection.due is None:
+                step, connection.step = connection.step, Silent()
+                self._act(connection, step, selector, connections)
+                return
+            self._send(connection, selector, connections)
+        except OSError:
+            self._drop(connection, selector, connections)
+
+    def _act(
+        self,
+        connection: _Connection,
+        step: Reply | Raw | Silent | Close | Delay,
+        selector: selectors.BaseSelector,
+        connections: dict[int, _Connection],
+    ) -> None:
+        """Do C{step} with a connection whose request has been read."""
+        if isinstance(step, Delay):
+            connection.due = time.monotonic() + step.seconds
+            connection.then = step.then
+            return
+        if isinstance(step, Close):
+            self._drop(connection, selector, connections)
+            return
+        if isinstance(step, Silent):
+            return  # held until the caller closes or the double stops
+        answer = step.data if isinstance(step, Raw) else self._answer(connection, step)
+        if answer is None:
+            self._drop(connection, selector, connections)
+            return
+        connection.outgoing = answer
+        connection.answering = True
+        try:
+            self._send(connection, selector, connections)
+        except OSError:
+            self._drop(connection, selector, connections)
+
+    def _send(
+        self,
+        connection: _Connection,
+        selector: selectors.BaseSelector,
+        connections: dict[int, _Connection],
+    ) -> None:
+        if not connection.answering:
+            return
+        try:
             if connection.outgoing:
                 sent = connection.sock.send(connection.outgoing, socket.MSG_NOSIGNAL)
                 connection.outgoing = connection.outgoing[sent:]
-                if connection.outgoing:
-                    selector.modify(connection.sock, selectors.EVENT_WRITE, connection)
-                    return
-            if connection.answered and not self._silent:
-                self._drop(connection, selector, connections)
         except BlockingIOError:
-            selector.modify(connection.sock, selectors.EVENT_WRITE, connection)
-        except OSError:
+            pass
+        if connection.outgoing:
+            if connection.watched:
+                selector.modify(connection.sock, selectors.EVENT_WRITE, connection)
+            else:
+                selector.register(connection.sock, selectors.EVENT_WRITE, connection)
+                connection.watched = True
+        else:
             self._drop(connection, selector, connections)
 
     def _read(self, connection: _Connection) -> bool:
         """Read what has come; C{False} when the connection should close now."""
+        if connection.answering:
+            return True
         try:
             chunk = connection.sock.recv(wire.REQUEST_SIZE)
         except (BlockingIOError, InterruptedError):
             return True
-        if connection.answered:
-            return bool(chunk)  # a silent broker holds until the caller closes
+        if connection.read:
+            return bool(chunk)  # a held connection stays until the caller closes
         if not chunk:
             self.requests.append(connection.request)
             return False  # cut short: no reply, as from the real broker
@@ -330,22 +585,15 @@ class FakeBroker:
         if len(connection.request) < wire.REQUEST_SIZE:
             return True
         self.requests.append(connection.request)
-        connection.answered = True
-        if self._silent:
-            return True
-        answer = self._answer(connection)
-        if answer is None:
-            return False
-        connection.outgoing = answer
+        connection.read = True
         return True
 
-    def _answer(self, connection: _Connection) -> bytes | None:
-        if self._reply is not None:
-            return self._reply
+    @staticmethod
+    def _answer(connection: _Connection, step: Reply) -> bytes | None:
         if not wire.is_valid_request(connection.request):
             return wire.INVALID_REQUEST_RESPONSE
-        if self._fixed is not None:
-            return self._fixed
+        if step.pid is not None:
+            return wire.encode_ok(step.pid)
         pid = peer_credentials(connection.sock).pid
         if pid <= 0:
             return None  # the caller is not visible here: no guessed PID
@@ -357,8 +605,10 @@ class FakeBroker:
         selector: selectors.BaseSelector,
         connections: dict[int, _Connection],
     ) -> None:
-        selector.unregister(connection.sock)
-        del connections[connection.sock.fileno()]
+        if connections.pop(connection.sock.fileno(), None) is None:
+            return
+        if connection.watched:
+            selector.unregister(connection.sock)
         connection.sock.close()
 
 

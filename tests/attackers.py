@@ -107,7 +107,7 @@ while True:
                 open_one()
 """
 
-#: A reconnecting flood as fast as one process can make it (issue 19): N
+#: A reconnecting flood as fast as one process can make it (one tenant): N
 #: idle connections to argv[1], each reopened the moment the broker closes
 #: it, with non-blocking connects (one failing with EAGAIN, the backlog
 #: being full, is tried again a millisecond later), so a slot freed in the

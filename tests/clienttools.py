@@ -153,12 +153,17 @@ def fill_accept_queue(path: Path) -> list[socket.socket]:
     raise AssertionError("the accept queue never filled")
 
 
-def build_c_client(out_dir: Path) -> Path:
-    """Compile the C contract client with the system C compiler."""
+def build_c_client(out_dir: Path, static: bool = False) -> Path:
+    """
+    Compile the C contract client with the system C compiler; C{static} links
+    it statically, for a container image that has no C library.
+    """
     cc = require_tool("cc")
     binary = out_dir / "hostpid_client"
+    linking = ["-static"] if static else []
     subprocess.run(
-        [cc, "-O2", "-std=c11", "-Wall", "-Wextra", "-Werror", "-o", str(binary), str(C_SOURCE)],
+        [cc, "-O2", "-std=c11", "-Wall", "-Wextra", "-Werror", *linking, "-o", str(binary),
+         str(C_SOURCE)],
         check=True,
         timeout=120,
     )

@@ -74,7 +74,8 @@ def _entries() -> str:
 def host_lock_parent_untouched() -> Iterator[None]:
     """
     Fail the suite if the host's C{/tmp/vgpulock} changed while it ran
-    (issue 13 item 6): existence, type and mode, owner, identity, and the
+    (tests of the default paths must never touch the host's): existence,
+    type and mode, owner, identity, and the
     mtime that any entry created or removed in it changes.  Tests of the
     default paths run in a private mount namespace with their own C{/tmp}
     (L{support.run_with_private_tmp}); a test that reaches the real one is a
@@ -96,7 +97,7 @@ def host_lock_parent_untouched() -> Iterator[None]:
 @pytest.fixture(autouse=True)
 def host_lock_parent_untouched_by_test(request: pytest.FixtureRequest) -> Iterator[None]:
     """
-    The same check around each test (issue 18: a change seen only at the end
+    The same check around each test (a change seen only at the end
     of a run could not be placed): one C{lstat} before and one after, and a
     failure that names the test that changed it, or the two tests between
     which it changed (a fixture of a wider scope).

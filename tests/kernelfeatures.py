@@ -108,7 +108,7 @@ def probe_so_peerpidfd_reaped() -> tuple[bool, str]:
     """
     Whether C{SO_PEERPIDFD} still returns a pidfd once the peer has exited
     and been reaped (6.16+; 6.5-6.12 answer C{EINVAL}): the broker's
-    C{peer_gone} versus C{peer_credentials_failed} (issue 18 item 3).
+    C{peer_gone} versus C{peer_credentials_failed} for a caller that has gone.
     """
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     with server:

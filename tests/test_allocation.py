@@ -1,5 +1,5 @@
 """
-Allocation response patching (issue 4 item 2): table-driven cases for each
+Allocation response patching: table-driven cases for each
 rule, property tests over random mount lists, the JSON adapter, and the
 C{hostpid allocate} command.
 """
@@ -529,7 +529,7 @@ def test_cli_unsafe_lock_parent_writes_nothing(lock_tree: Path, unsafe: str) -> 
 def test_cli_default_lock_parent() -> None:
     """
     The default C{/tmp/vgpulock}, as the product prepares it, in a private
-    mount namespace whose C{/tmp} is a fresh tmpfs (issue 13 item 6): the
+    mount namespace whose C{/tmp} is a fresh tmpfs: the
     host's lock parent is never touched.  Gate off: no mountpoint is made.
     """
     env = subprocess_env()
@@ -566,7 +566,7 @@ def test_cli_prepare_default_lock_parent() -> None:
     assert parent is not None and (parent["mode"], parent["uid"]) == (0o041777, 0)
 
 
-# Readers that fold keys (issue 13 item 2) ------------------------------------
+# Readers that fold keys ------------------------------------------------------
 
 
 def go_fold(key: str) -> str:
@@ -654,7 +654,7 @@ SMUGGLED = {
 @pytest.mark.parametrize("case", sorted(SMUGGLED))
 def test_case_folding_reader_sees_what_the_patch_meant(case: str) -> None:
     """
-    Issue 13 item 2: either the patch refuses the input naming the key, or a
+    A Go reader folds keys: either the patch refuses the input naming the key, or a
     reader that folds keys as Go does reads exactly what this project wrote.
     On the old code the patch passed these keys through and the Go reader
     saw a writable mount at the broker path, a forged gate or a writable
@@ -706,7 +706,7 @@ def test_go_fold_matches_go() -> None:
     assert go_fold("ma\u00df") != go_fold("mass")  # no full folding in Go
 
 
-# JSON that is not JSON, and bounds (issue 13 item 3) -------------------------
+# JSON that is not JSON, and bounds --------------------------------------------
 
 NOT_JSON = {
     "NaN": '{"x": NaN}',
@@ -766,7 +766,7 @@ def test_cli_query_timeout_usage_error(value: str) -> None:
     assert "--timeout" in result.stderr and "Traceback" not in result.stderr
 
 
-# Order and host paths (issue 13 item 4) --------------------------------------
+# Order and host paths ---------------------------------------------------------
 
 
 def test_mount_inside_the_parent_listed_before_an_ancestor() -> None:
@@ -836,7 +836,7 @@ def test_host_paths_by_identity_through_a_bind_mount(public_tmp: Path) -> None:
     assert (result.returncode, result.stdout) == (0, "True\n"), result.stderr
 
 
-# What an operator sees (issue 13 item 7) -------------------------------------
+# What an operator sees --------------------------------------------------------
 
 
 @pytest.mark.parametrize("made", [True, False])

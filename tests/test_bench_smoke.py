@@ -171,6 +171,7 @@ def test_bench_run_reports_progress_on_stderr(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("# hostpid benchmark report"), "stdout: the report alone"
     assert "bench:" not in done.stdout and "elapsed" not in done.stdout
+    assert (tmp_path / "report" / "summary.md").is_file()
     found = progress_lines(done.stderr, "bench")
     steps = [m["step"] for m in found]
     assert steps[0] == "[1/2] closed-1 (run 1)" and steps[-1] == "[2/2] burst-256 (run 1)"
@@ -182,12 +183,15 @@ def test_bench_run_reports_progress_on_stderr(tmp_path: Path) -> None:
     assert steps.count("[1/2] closed-1 (run 1)") >= 3, done.stderr
 
 
-def test_bench_soak_reports_progress_on_stderr() -> None:
+def test_bench_soak_reports_progress_on_stderr(tmp_path: Path) -> None:
+    report = tmp_path / "soak.json"
     done = run_bench_script(
         "soak", "--minutes", "0.1", "--flood-clients", "50", "--progress-every", "0.5",
+        "--out", str(report),
     )
     assert done.returncode in (0, 1), done.stderr  # 1: a violation, reported in the JSON
     summary = json.loads(done.stdout)  # stdout is the JSON summary and nothing else
+    assert json.loads(report.read_text()) == summary, "and the same summary in the report"
     assert summary["minutes"] == 0.1
     found = progress_lines(done.stderr, "soak")
     steps = [m["step"] for m in found]
@@ -259,3 +263,20 @@ def test_progress_elsewhere_is_plain_lines_every_ten_seconds() -> None:
     assert plain.getvalue() == (
         "soak: warm-up [hostpid]; elapsed 0:00\nsoak: after warm-up: 11 fds\n"
     )
+
+
+def test_reports_go_under_bench_reports_by_default() -> None:
+    """
+    A run without C{--out} writes its report under C{bench/reports/DATE/},
+    one entry per run, never into docs/ (which holds the guides) nor into
+    whatever directory the tool was started from.
+    """
+    lib = benchlib()
+    path = lib.default_report("run")
+    assert path.parent.parent == REPO / "bench" / "reports"
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", path.parent.name), path
+    assert re.fullmatch(r"run-\d{6}Z", path.name), path
+    assert lib.default_report("soak", ".json").name.endswith(".json")
+    for tool in ("run", "soak", "paired"):
+        text = (REPO / "bench" / tool).read_text()
+        assert "default_report(" in text, f"bench/{tool} must default to bench/reports/"

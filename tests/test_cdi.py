@@ -1,6 +1,5 @@
 """
-The CDI spec (issue 14 item 1), its annotation form, and C{hostpid allocate
---cdi} (item 3).
+The CDI spec, its annotation form, and C{hostpid allocate --cdi}.
 
 The spec is checked field by field, against the CDI project's own JSON schema
 (read from the Debian package, see L{cdischema}), and against the rules the

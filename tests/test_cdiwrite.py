@@ -1,5 +1,5 @@
 """
-Writing the CDI spec (issue 14 item 2) and C{hostpid cdi}, as root, in a
+Writing the CDI spec and C{hostpid cdi}, as root, in a
 private tree on the real filesystem.
 
 Foreign files are made by the kernel for a real other UID where ownership is
@@ -287,9 +287,11 @@ def run_cdi(tree: Path, gate: str, *options: str) -> subprocess.CompletedProcess
     )
 
 
+@pytest.mark.parametrize("option", ["--cdi-dir", "--dir"])
 @pytest.mark.parametrize(("gate", "mounts"), [("1", 2), ("0", 1), ("", 1)])
-def test_cdi_command_writes_the_spec(tree: Path, gate: str, mounts: int) -> None:
-    result = run_cdi(tree, gate, "--dir", str(tree / "cdi"))
+def test_cdi_command_writes_the_spec(tree: Path, gate: str, mounts: int, option: str) -> None:
+    """C{--cdi-dir}, the broker's spelling, and C{--dir}, the older one, alike."""
+    result = run_cdi(tree, gate, option, str(tree / "cdi"))
     assert result.returncode == 0, result.stderr
     spec_file = tree / "cdi" / cdi.SPEC_FILE_NAME
     assert result.stdout.startswith(f"{spec_file}: CDI spec written")
@@ -302,7 +304,7 @@ def test_cdi_command_writes_the_spec(tree: Path, gate: str, mounts: int) -> None
 
 
 def test_cdi_command_prints_with_dir_dash(tree: Path) -> None:
-    result = run_cdi(tree, "1", "--dir", "-", "--cdi-version", "0.6.0")
+    result = run_cdi(tree, "1", "--cdi-dir", "-", "--cdi-version", "0.6.0")
     assert result.returncode == 0, result.stderr
     printed = json.loads(result.stdout)
     assert printed["cdiVersion"] == "0.6.0"
@@ -317,7 +319,7 @@ def test_cdi_command_prints_with_dir_dash(tree: Path) -> None:
      "hostpid: cdi: run/hami: the broker directory must be an absolute, clean path"),
 ])
 def test_cdi_command_refuses(tree: Path, options: list[str], expected: str) -> None:
-    result = run_cdi(tree, "1", "--dir", str(tree / "cdi"), *options)
+    result = run_cdi(tree, "1", "--cdi-dir", str(tree / "cdi"), *options)
     assert result.returncode == 1
     assert result.stdout == ""
     assert result.stderr.startswith(expected) and result.stderr.count("\n") == 1

@@ -16,7 +16,16 @@ Why each check exists:
   selectors and ports are checked against the DaemonSet instead.
 - The design's rule (the broker is never enabled without the host PID
   namespace), the other impossible combinations and the schema each fail a
-  render, with the exact message an operator reads.
+  render, with the exact message an operator reads.  The design's value
+  names (C{devicePlugin.hostPID}, C{devicePlugin.hostPIDBroker.enabled}) are
+  the same settings as the short ones: either spelling renders the same, and
+  the two disagreeing fail the render naming both.
+- Helm's conventions: everything lands in the release's namespace (C{helm
+  install -n hostpid --create-namespace}); a Namespace object only when
+  asked for (so C{helm uninstall} deletes no namespace it was not asked to
+  create); Kubernetes' recommended labels and C{helm.sh/chart} on every
+  object; NOTES that need nothing but the cluster (no file of this
+  repository).
 - The design's rollout and rollback as chart value changes (install
   disabled, upgrade enabled, upgrade disabled) render what the docs say: only
   the gate changes, the rolled-back render is the disabled one, and each
@@ -31,6 +40,7 @@ from __future__ import annotations
 
 import configparser
 import copy
+import re
 import shutil
 import subprocess
 import sys
@@ -61,8 +71,15 @@ from test_deploy import (
 CHART = REPO / "deploy" / "helm" / "hostpid-broker"
 RENDER_MANIFESTS = REPO / "deploy" / "helm" / "render-manifests"
 RELEASE = "hostpid-broker"
-#: The namespace the release record is stored in (the chart creates its own).
-RELEASE_NAMESPACE = "default"
+#: The release's namespace, where every object goes (helm install -n hostpid).
+RELEASE_NAMESPACE = "hostpid"
+#: The standard labels every object carries (the values are the default render's).
+STANDARD_LABELS = {
+    "app.kubernetes.io/name": "hostpid-broker",
+    "app.kubernetes.io/instance": RELEASE,
+    "app.kubernetes.io/managed-by": "Helm",
+    "app.kubernetes.io/component": "broker",
+}
 MONITORING_KINDS = {"PodMonitor", "ServiceMonitor"}
 
 
@@ -125,6 +142,9 @@ def merge(base: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
 RENDERS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "enabled": sets("hostPIDBroker.enabled=true"),
+    "enabled by the design's names": sets("devicePlugin.hostPIDBroker.enabled=true",
+                                          "devicePlugin.hostPID=true"),
+    "the namespace created by the chart": sets("namespace.create=true", "namespace.name=gpu-node"),
     "without metrics": sets("metrics.enabled=false"),
     "enabled without metrics or CDI": sets(
         "hostPIDBroker.enabled=true", "metrics.enabled=false", "broker.cdi.enabled=false"),
@@ -136,6 +156,7 @@ RENDERS: dict[str, dict[str, Any]] = {
         "image": {"repository": "registry.internal/hami/hostpid-broker", "tag": "0.1.0-1",
                   "pullPolicy": "Always", "pullSecrets": ["registry"]},
         "broker": {"maxConnections": 1024, "deadline": 0.25, "lockParent": "/var/tmp/vgpulock",
+                   "logFormat": "text",
                    "cdi": {"enabled": True, "directory": "/etc/cdi"}},
         "networkPolicy": {
             "monitoringNamespaceSelector": {"matchLabels": {"team": "observability"}},
@@ -213,7 +234,7 @@ def test_every_rendered_object_validates(case: str, version: str) -> None:
         assert kubernetes_validate.validate(doc, version, strict=True) == \
             version.rsplit(".", 1)[0], (case, doc["kind"])
         validated += 1
-    assert validated >= 3, [doc["kind"] for doc in docs]
+    assert validated >= 2, [doc["kind"] for doc in docs]
 
 
 @pytest.mark.parametrize("case", sorted(RENDERS))
@@ -223,10 +244,31 @@ def test_every_render_keeps_the_design_rules(case: str) -> None:
     spec = pod_spec(ds)
     assert spec is not None
     assert pod_rule_violations(spec, case) == []
-    enabled = RENDERS[case].get("hostPIDBroker", {}).get("enabled", False)
+    values = RENDERS[case]
+    enabled = values.get("hostPIDBroker", {}).get("enabled") or \
+        values.get("devicePlugin", {}).get("hostPIDBroker", {}).get("enabled", False)
     assert gate_value(broker_container(ds)) == ("1" if enabled else "0")
     namespaces = {doc["metadata"].get("namespace") for doc in docs if doc["kind"] != "Namespace"}
-    assert namespaces == {"hostpid"}, "every object in the broker's namespace"
+    assert namespaces == {RENDERS[case].get("namespace", {}).get("name", RELEASE_NAMESPACE)}, \
+        "every object in the broker's namespace"
+
+
+@pytest.mark.parametrize("case", sorted(RENDERS))
+def test_every_object_carries_the_standard_labels(case: str) -> None:
+    """
+    Kubernetes' recommended labels and Helm's chart label, on every object
+    and on the broker's pods: what C{kubectl get -l
+    app.kubernetes.io/instance=RELEASE} and dashboards select by.
+    """
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    expected = {**STANDARD_LABELS, "app.kubernetes.io/version": chart["appVersion"],
+                "helm.sh/chart": f"hostpid-broker-{chart['version']}"}
+    docs = render(RENDERS[case])
+    pods = [doc["spec"]["template"] for doc in docs if doc["kind"] == "DaemonSet"]
+    for doc in [*docs, *pods]:
+        labels = doc["metadata"]["labels"]
+        assert expected.items() <= labels.items(), (case, doc.get("kind", "pod template"))
+        assert labels.items() >= RENDERS[case].get("commonLabels", {}).items()
 
 
 def test_monitors_scrape_the_brokers_metrics_port() -> None:
@@ -290,6 +332,7 @@ def test_values_reach_the_broker_as_options() -> None:
     argv = container_argv(container)
     assert option_value(argv, "--max-connections") == "1024"
     assert option_value(argv, "--deadline") == "0.25"
+    assert option_value(argv, "--log-format") == "text"
     assert option_value(argv, "--cdi-dir") == "/etc/cdi"
     assert option_value(argv, "--lock-parent") == "/var/tmp/vgpulock"
     assert option_value(argv, "--metrics") == "tcp:9394:interface=0.0.0.0"
@@ -319,11 +362,80 @@ def test_another_broker_directory_is_used_everywhere() -> None:
         assert f"--socket {directory}/broker.sock " in container[kind]["exec"]["command"][2]
 
 
-def test_the_release_can_live_in_the_brokers_namespace_when_the_chart_does_not_create_it(
+@pytest.mark.parametrize("lock_parent", ["/tmp/vgpulock", "/var/tmp/vgpulock"])
+def test_the_host_tmp_mount_is_the_lock_parents_parent_and_as_tight_as_it_can_be(
+    lock_parent: str,
 ) -> None:
-    docs = render(sets("namespace.create=false"), namespace="hostpid")
-    assert "Namespace" not in {doc["kind"] for doc in docs}
-    assert {doc["metadata"]["namespace"] for doc in docs} == {"hostpid"}
+    """
+    The one mount of the host's C{/tmp} (the lock parent's parent, which
+    preparation must check and C{mkdirat} the lock parent in: so writable
+    and whole, docs/security.md "The broker's mounts") has no mount
+    propagation either way, must already exist on the host (C{Directory}:
+    kubelet creates nothing there), is never a mount of the lock parent
+    itself, and is not rendered at all without CDI.
+    """
+    parent = lock_parent.rsplit("/", 1)[0]
+    daemonset = by_kind(render(sets(f"broker.lockParent={lock_parent}")), "DaemonSet")
+    spec = pod_spec(daemonset)
+    assert spec is not None
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    (mount,) = [m for m in broker_container(daemonset)["volumeMounts"]
+                if m["name"] == "host-tmp"]
+    assert mount == {"name": "host-tmp", "mountPath": parent, "mountPropagation": "None"}
+    assert volumes["host-tmp"] == {"name": "host-tmp",
+                                   "hostPath": {"path": parent, "type": "Directory"}}
+    host_paths = [v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v]
+    assert not any(path == lock_parent or path.startswith(lock_parent + "/")
+                   for path in host_paths), "never the lock parent or anything in it"
+    without = pod_spec(by_kind(render(sets("broker.cdi.enabled=false")), "DaemonSet"))
+    assert without is not None
+    assert all(v["hostPath"]["path"] not in ("/tmp", parent)
+               for v in without["volumes"] if "hostPath" in v), "no host /tmp without CDI"
+
+
+def test_the_release_namespace_holds_everything_and_no_namespace_is_rendered() -> None:
+    """
+    C{helm install -n NAMESPACE --create-namespace}, the Helm way: every
+    object goes to the release's namespace and the chart renders no
+    Namespace, so C{helm uninstall} deletes none.
+    """
+    for namespace in ("hostpid", "gpu-system"):
+        docs = render(namespace=namespace)
+        assert "Namespace" not in {doc["kind"] for doc in docs}
+        assert {doc["metadata"]["namespace"] for doc in docs} == {namespace}
+
+
+def test_the_chart_creates_the_namespace_only_when_asked_to() -> None:
+    """
+    C{namespace.create=true} (the release stored elsewhere): the Namespace
+    with the Pod Security labels the broker's pod needs, and every object in
+    it.
+    """
+    docs = render(RENDERS["the namespace created by the chart"], namespace="default")
+    namespace = by_kind(docs, "Namespace")
+    assert namespace["metadata"]["name"] == "gpu-node"
+    assert {f"pod-security.kubernetes.io/{mode}": "privileged"
+            for mode in ("enforce", "warn", "audit")}.items() <= \
+        namespace["metadata"]["labels"].items()
+    assert {doc["metadata"]["namespace"] for doc in docs if doc is not namespace} == {"gpu-node"}
+
+
+def test_the_design_value_names_are_the_same_settings() -> None:
+    """
+    C{devicePlugin.hostPID} and C{devicePlugin.hostPIDBroker.enabled} (the
+    design's names, in HAMi users' values files) render exactly what the
+    short names render, alone or together with the same value.
+    """
+    for short in ("hostPIDBroker.enabled=true", "hostPID=false", "hostPIDBroker.enabled=false"):
+        long = f"devicePlugin.{short}"
+        expected = render(sets(short))
+        assert render(sets(long)) == expected, long
+        assert render(sets(short, long)) == expected, (short, long)
+    ds = by_kind(render(sets("devicePlugin.hostPIDBroker.enabled=true")), "DaemonSet")
+    assert gate_value(broker_container(ds)) == "1"
+    assert pod_spec(ds)["hostPID"] is True  # type: ignore[index]
+    ds = by_kind(render(helm.values_from_yaml("devicePlugin:\n  hostPID: false\n")), "DaemonSet")
+    assert pod_spec(ds)["hostPID"] is False  # type: ignore[index]
 
 
 def test_notes_tell_the_operator_how_to_check_a_node() -> None:
@@ -331,7 +443,47 @@ def test_notes_tell_the_operator_how_to_check_a_node() -> None:
     assert "kubectl -n hostpid rollout status daemonset/hostpid-broker" in text
     assert f"hostpid probe --socket {BROKER_DIRECTORY}/broker.sock" in text
     assert "The gate is OFF (hostPIDBroker.enabled=false)" in text
-    assert "The gate is ON (hostPIDBroker.enabled=true)" in notes(RENDERS["enabled"])
+    assert "kubectl label namespace hostpid pod-security.kubernetes.io/enforce=privileged" in text
+    assert "--reuse-values --set hostPIDBroker.enabled=true" in text
+    enabled = notes(RENDERS["enabled"])
+    assert "The gate is ON (hostPIDBroker.enabled=true)" in enabled
+    assert "--reuse-values --set hostPIDBroker.enabled=false" in enabled
+    assert "The gate is ON (devicePlugin.hostPIDBroker.enabled=true)" in \
+        notes(RENDERS["enabled by the design's names"])
+
+
+@pytest.mark.parametrize("case", ["defaults", "enabled"])
+def test_notes_are_self_contained(case: str) -> None:
+    """
+    NOTES are read by someone who installed from a chart repository: no path
+    of this repository (docs/, deploy/, *.md); the manual is the chart's home.
+    """
+    text = notes(RENDERS[case])
+    assert not re.search(r"docs/|deploy/|tests/|\.md\b", text), text
+    home = yaml.safe_load((CHART / "Chart.yaml").read_text())["home"]
+    assert home in text
+
+
+def test_chart_home_and_sources_name_the_project() -> None:
+    setup = configparser.ConfigParser()
+    setup.read(REPO / "setup.cfg")
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["home"] == setup["metadata"]["url"]
+    assert chart["sources"] == [setup["metadata"]["url"]]
+
+
+def test_a_loopback_metrics_address_renders_no_network_policy() -> None:
+    """
+    values.yaml says so: a loopback listener is reachable only inside the
+    pod, so no NetworkPolicy is rendered for it (and the monitors are
+    refused, below).
+    """
+    assert "NetworkPolicy" in {doc["kind"] for doc in render()}
+    for address in ("127.0.0.1", "::1"):
+        kinds = {doc["kind"] for doc in render(sets(f"metrics.bindAddress={address}"))}
+        assert "NetworkPolicy" not in kinds, address
+    comment = (CHART / "values.yaml").read_text()
+    assert "the NetworkPolicy is\n  # not rendered" in comment
 
 
 # --- the design's rule, the other impossible combinations, the schema ------------------
@@ -382,10 +534,34 @@ IMPOSSIBLE: dict[str, tuple[dict[str, Any], str, str]] = {
         "the kubelet would end the probe before its deadline (it starts a Python process "
         "first)"),
     "the release stored in the namespace it creates": (
-        {}, "hostpid",
-        "namespace.create=true makes the release create namespace hostpid, so the release "
-        "cannot be stored in it: install into another namespace (--namespace default), or "
-        "create and label hostpid yourself and set namespace.create=false"),
+        sets("namespace.create=true"), "hostpid",
+        "namespace.create=true renders namespace hostpid, which cannot hold the release that "
+        "creates it: leave namespace.create=false and install with -n hostpid "
+        "--create-namespace (labelling it for Pod Security yourself), or set namespace.name "
+        "to a namespace other than the release's"),
+    "the design's name enabled without the host PID namespace": (
+        sets("devicePlugin.hostPIDBroker.enabled=true", "hostPID=false"), RELEASE_NAMESPACE,
+        "devicePlugin.hostPIDBroker.enabled=true requires hostPID=true: without the host PID "
+        "namespace the broker would report PIDs of its own namespace (it refuses to start "
+        "there); set hostPID=true or devicePlugin.hostPIDBroker.enabled=false"),
+    "the design's names for both, enabled without the host PID namespace": (
+        helm.values_from_yaml("devicePlugin:\n  hostPID: false\n  hostPIDBroker:\n"
+                              "    enabled: true\n"), RELEASE_NAMESPACE,
+        "devicePlugin.hostPIDBroker.enabled=true requires devicePlugin.hostPID=true: without "
+        "the host PID namespace the broker would report PIDs of its own namespace (it refuses "
+        "to start there); set devicePlugin.hostPID=true or "
+        "devicePlugin.hostPIDBroker.enabled=false"),
+    "the two names of hostPID disagreeing": (
+        sets("hostPID=true", "devicePlugin.hostPID=false"), RELEASE_NAMESPACE,
+        "devicePlugin.hostPID=false and hostPID=true disagree: they are the same setting under "
+        "two names (the design's and this chart's); give one of them, or the same value to "
+        "both"),
+    "the two names of the gate disagreeing": (
+        sets("hostPIDBroker.enabled=false", "devicePlugin.hostPIDBroker.enabled=true"),
+        RELEASE_NAMESPACE,
+        "devicePlugin.hostPIDBroker.enabled=true and hostPIDBroker.enabled=false disagree: they "
+        "are the same setting under two names (the design's and this chart's); give one of "
+        "them, or the same value to both"),
     "the lock parent at the root": (
         sets("broker.lockParent=/"), RELEASE_NAMESPACE,
         "broker.lockParent must not be /: its parent directory is mounted from the host"),
@@ -409,12 +585,15 @@ def schema_message(*lines: str) -> str:
 SCHEMA_REFUSALS: dict[str, tuple[dict[str, Any], str]] = {
     "the gate as a string": (
         {"hostPIDBroker": {"enabled": "1"}},
-        schema_message("at '/hostPIDBroker/enabled': got string, want boolean")),
+        schema_message("at '/hostPIDBroker/enabled': got string, want null or boolean")),
     "hostPID mistyped": (
         {"hostPid": True}, schema_message("at '': additional properties 'hostPid' not allowed")),
+    "the design's hostPID mistyped": (
+        sets("devicePlugin.hostPid=true"),
+        schema_message("at '/devicePlugin': additional properties 'hostPid' not allowed")),
     "hostPID as a string (--set-string)": (
         helm.parse_set_string_values("hostPID=false"),
-        schema_message("at '/hostPID': got string, want boolean")),
+        schema_message("at '/hostPID': got string, want null or boolean")),
     "a port out of range": (
         sets("metrics.port=70000"),
         schema_message("at '/metrics/port': maximum: got 70,000, want 65,535")),
@@ -479,6 +658,7 @@ def test_rollout_and_rollback_change_the_gate_and_nothing_else() -> None:
                           ("ready", "/run/hostpid-ready", False)}
         # Even disabled, the broker prepares the lock parent and writes the CDI spec.
         argv = container_argv(container)
+        assert option_value(argv, "--log-format") == "json"
         assert option_value(argv, "--cdi-dir") == "/var/run/cdi"
         assert option_value(argv, "--lock-parent") == "/tmp/vgpulock"
 
@@ -502,8 +682,10 @@ def test_the_raw_manifests_are_the_default_render() -> None:
     """Object for object, independently of the script that writes them."""
     docs = render()
     assert load_documents(DAEMONSET) == [by_kind(docs, "DaemonSet")]
-    for name, kind in (("00-namespace.yaml", "Namespace"),
-                       ("10-serviceaccount.yaml", "ServiceAccount"),
+    assert load_documents(KUBERNETES / "00-namespace.yaml") == [by_kind(
+        render(sets("namespace.create=true", "namespace.name=hostpid"), namespace="default"),
+        "Namespace")]
+    for name, kind in (("10-serviceaccount.yaml", "ServiceAccount"),
                        ("30-networkpolicy.yaml", "NetworkPolicy")):
         assert load_documents(KUBERNETES / name) == [by_kind(docs, kind)], name
     assert load_documents(DAEMONSET_WITHOUT_METRICS) == \

@@ -168,7 +168,7 @@ class TestProbeHealthy:
         self, root_directory: Path, gate: str | None
     ) -> None:
         """
-        Issue 21: an operator checking the broker from the host, in a shell
+        An operator checking the broker from the host, in a shell
         without the workload's gate (or with it off), is answered, and told
         the gate it has as information.  Before, this was "gate check failed:
         LIBVGPU_HOSTPID_BROKER unset; ... not probed", exit 1.
@@ -302,6 +302,45 @@ class TestProbeFailures:
             f"hostpid probe: directory check failed: {directory}: "
             "directory, uid 1000, mode 0711: owner is not uid 0\n"
         )
+
+    def test_trusted_uid_probes_a_broker_of_another_owner(
+        self, public_tmp: Path, tmp_path: Path
+    ) -> None:
+        """
+        A real broker run unprivileged by UID 1000 on its own directory:
+        C{--trusted-uid 1000} probes it with every other check still on
+        (healthy), and a root broker is then refused, since the owner is no
+        longer the one trusted.
+        """
+        require_root()
+        os.chown(public_tmp, OTHER_UID, OTHER_UID)
+        directory = public_tmp / "broker"
+        with running_broker(directory, argv_prefix=as_other_uid_argv()) as broker:
+            done, pid = run_hostpid("probe", "--socket", str(broker.socket_path),
+                                    "--trusted-uid", str(OTHER_UID))
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == healthy_line(broker.socket_path, pid).replace(
+            "uid 0,", f"uid {OTHER_UID},")
+        assert done.stderr == ""
+        root_owned = tmp_path / "root-broker"
+        with running_broker(root_owned) as broker:
+            done, _ = run_hostpid("probe", "--socket", str(broker.socket_path),
+                                  "--trusted-uid", str(OTHER_UID))
+        assert done.returncode == 1
+        assert done.stderr == (
+            f"hostpid probe: directory check failed: {root_owned}: "
+            f"directory, uid 0, mode 0711: owner is not uid {OTHER_UID}\n"
+        )
+
+    @pytest.mark.parametrize("uid", ["-1", "root", "4294967295", "1.5"])
+    def test_a_bad_trusted_uid_is_a_usage_error(
+        self, uid: str, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        with pytest.raises(SystemExit) as exited:
+            cli.main(["probe", "--trusted-uid", uid])
+        assert exited.value.code == 2
+        assert capsys.readouterr().err.splitlines()[-1] == \
+            f"hostpid probe: --trusted-uid must be a UID, got {uid!r}"
 
     def test_socket_of_another_owner(self, root_directory: Path) -> None:
         """In root's directory, a socket that belongs to UID 1000."""

@@ -53,26 +53,6 @@ def nested(attacker: dict[str, object]) -> tuple[int, socket.socket]:
     return outer.detach(), peer
 
 
-def test_a_lingering_close_nested_in_a_unix_socket_is_interrupted(attacker) -> None:
-    """
-    Closing the outer socket purges its queue and drops the TCP socket's
-    last reference in the closer's thread, which would wait LINGER seconds;
-    the watchdog interrupts it, so it closes while the attacker (its peer,
-    its listener) is still there.
-    """
-    watch = default_watch()
-    assert watch.install(), watch.reason
-    before = watch.interrupted
-    closer = BackgroundCloser(threads=1)
-    fd, peer = nested(attacker)
-    started = time.monotonic()
-    closer.submit(fd)
-    wait_for(lambda: closer.closed == 1, "the interrupted close to return", timeout=10)
-    took = time.monotonic() - started
-    assert took < 10 and watch.interrupted > before
-    peer.close()
-
-
 @pytest.mark.usefixtures("reads")
 def test_a_lingering_close_in_the_reactor_thread_is_interrupted(attacker) -> None:
     """
@@ -89,7 +69,7 @@ def test_a_lingering_close_in_the_reactor_thread_is_interrupted(attacker) -> Non
     watch = default_watch()
     assert watch.install(), watch.reason
     before = watch.interrupted
-    receiver = PassedDescriptors(BackgroundCloser(threads=1))
+    receiver = PassedDescriptors(BackgroundCloser())
     # Shorter than LINGER, so that a close nothing interrupts fails in 30 s.
     connection = attacker["lingering"](30)  # type: ignore[operator]
     started = time.monotonic()
@@ -116,39 +96,6 @@ def test_the_watch_never_signals_without_its_handler() -> None:
     assert watch.interrupted == 0 and not watch.active
 
 
-def test_a_close_that_ignores_interrupts_is_reported_and_a_thread_replaces_it(
-    attacker,
-) -> None:
-    """
-    A close nothing interrupts (here: a watch never installed, so no signal
-    is sent) is reported stuck after stuckAfter, and the closer starts a
-    fresh thread so that what waits behind it still closes.
-    """
-    watch = CloseWatch(stuckAfter=0.1)
-    closer = BackgroundCloser(threads=1, watch=watch)
-    fd, peer = nested(attacker)
-    read, write = os.pipe()
-    closer.submit(fd)
-    closer.submit(read)
-    wait_for(lambda: watch.look(), "the closer thread to be inside the close")
-    for _ in range(int(0.1 / watch.pollBusy) + 2):
-        watch.look()
-    assert watch.stuck == 1
-    wait_for(lambda: closer.closed == 1, "a fresh thread to close the pipe behind it")
-    with pytest.raises(BrokenPipeError):
-        os.write(write, b"x")
-    os.close(write)
-    # The attacker goes: its listener's reset ends the lingering close, and
-    # the stuck thread, replaced, finishes its close and leaves.
-    for held in attacker["keep"]:  # type: ignore[attr-defined]
-        held.close()
-    attacker["keep"].clear()  # type: ignore[attr-defined]
-    wait_for(lambda: closer.closed == 2, "the stuck close to return once the peer reset")
-    watch.look()
-    assert watch.stuck == 0
-    peer.close()
-
-
 @pytest.mark.usefixtures("reads")
 def test_a_connection_closed_at_its_deadline_with_a_lingering_socket_queued(attacker) -> None:
     """
@@ -157,18 +104,15 @@ def test_a_connection_closed_at_its_deadline_with_a_lingering_socket_queued(atta
     the closer whole, and closing it drops a queued lingering socket's last
     reference in the closer's thread.  That close is interrupted too.
     """
-    watch = default_watch()
-    assert watch.install(), watch.reason
-    before = watch.interrupted
     fd, peer = nested(attacker)
     server, client = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     client.sendmsg([b"HPID"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
     os.close(fd)  # the queued message holds the outer socket's last reference
-    receiver = PassedDescriptors(BackgroundCloser(threads=1), descriptorLimit=64, reserved=0)
+    receiver = PassedDescriptors(BackgroundCloser(), descriptorLimit=64, reserved=0)
     assert not receiver.hasRoom()
     assert receiver.release(server) is False, "handed over whole, undrained"
-    wait_for(lambda: receiver.closer.closed == 1, "the interrupted close to return", timeout=10)
-    assert watch.interrupted > before
+    wait_for(lambda: receiver.closer.closed == 1, "the disposer to close it", timeout=10)
+    assert receiver.closer.disarmed >= 2, "the connection drained, its lingering socket reset"
     client.close()
     peer.close()
 
@@ -331,20 +275,3 @@ def test_the_watchdogs_reports_are_made_in_the_main_thread(private) -> None:
     assert told == [threading.main_thread()]
     assert any("despite interrupts" in str(event.get("log_format")) for event in seen), seen
     assert not watch.outbox
-
-
-def test_an_idle_closer_thread_ends_and_a_new_one_starts_when_needed() -> None:
-    """
-    Closer threads share the process's table; one left running would slow
-    every later transaction, so an idle one ends, and the next descriptor
-    starts another.
-    """
-    closer = BackgroundCloser(threads=1, idle=0.05, watch=CloseWatch())
-    for round_ in (1, 2):
-        read, write = os.pipe()
-        closer.submit(read)
-        wait_for(lambda n=round_: closer.closed == n, "the closer to close the pipe")
-        with pytest.raises(BrokenPipeError):
-            os.write(write, b"x")
-        os.close(write)
-        wait_for(lambda: closer.threads == 0, "the idle thread to end")

@@ -136,6 +136,23 @@ def test_the_calls_that_end_a_connection_take_descriptors_only(reads: str, pair)
     assert raised.value.errno == errno.EBADF
 
 
+def test_recv_never_returns_more_than_its_buffer(calls: ConnectionCalls) -> None:
+    """
+    With C{MSG_TRUNC} the kernel returns a datagram's whole length (6,000)
+    however small the buffer (4,096 bytes at most in the C helper): the
+    helper used to return that many bytes, read past its buffer on the
+    stack.  It refuses the flag; a plain read of the same datagram gives
+    the buffer's worth, from either path.
+    """
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    with left, right:
+        left.send(b"x" * 6000)
+        if calls.native:
+            with pytest.raises(ValueError, match="MSG_TRUNC"):
+                calls.recv(right, 4096, _DONTWAIT | socket.MSG_TRUNC)
+        assert calls.recv(right, 4096, _DONTWAIT) == b"x" * 4096
+
+
 def test_a_real_port_answers_at_accept_and_hands_on_the_rest(
     reads: str, tmp_path: Path
 ) -> None:

@@ -83,9 +83,10 @@ BROKER_DIRECTORY = defaults.BROKER_DIRECTORY
 LOCK_PARENT = "/tmp/vgpulock"
 WORKLOAD_BROKER_MOUNT = "/tmp/vgpulock/hostpid"
 BROKER_COMMAND = ["twistd", "--nodaemon", "--pidfile=", "hostpid-broker"]
-#: Both probes of both DaemonSets (issue 19): C{hostpid probe} on the broker
-#: socket, skipped while the broker's gate is off (the broker's own rule: only
-#: "1" enables), with the probe's own deadline.  No TCP port decides them.
+#: Both probes of both DaemonSets (no tenant flood may restart the broker):
+#: C{hostpid probe} on the broker socket, skipped while the broker's gate is
+#: off (the broker's own rule: only "1" enables), with the probe's own
+#: deadline.  No TCP port decides them.
 EXEC_PROBE = re.compile(
     r'\[ "\$LIBVGPU_HOSTPID_BROKER" != 1 \] \|\| '
     r"exec hostpid probe --socket (?P<socket>/\S+) --timeout (?P<deadline>[0-9.]+)"
@@ -98,7 +99,7 @@ READY_PROBE = re.compile(
     r"exec hostpid probe --socket (?P<socket>/\S+) --timeout (?P<deadline>[0-9.]+); \}"
 )
 #: The smallest CPU request the rules accept: 10m is the smallest CFS weight there
-#: is (what the DaemonSet requested before issue 19), and 100m a small pod's.
+#: is (what the DaemonSet once requested, starved under a flood), and 100m a small pod's.
 MIN_CPU_REQUEST_MILLICORES = 100
 
 
@@ -395,6 +396,12 @@ def cdi_rule_violations(name: str, argv: Sequence[str], mounts: Sequence[Mapping
                             f"{host_path['path']}")
         if mount.get("readOnly"):
             problems.append(f"{name}: {what} {path} must be writable")
+        if mount.get("mountPropagation", "None") != "None":
+            # The host's whole /tmp (or spec directory): no mount made under it on
+            # the host may reach the broker, and none of the broker's may reach the
+            # host (docs/security.md, "The broker's mounts").
+            problems.append(f"{name}: {what} {path} must have mountPropagation None, not "
+                            f"{mount['mountPropagation']}")
     if host_mount(mounts, volumes, lock_parent) is not None:
         problems.append(f"{name}: do not mount the lock parent {lock_parent} itself; mount "
                         "its parent")
@@ -513,7 +520,7 @@ def test_daemonset_ships_with_the_gate_off_and_keeps_the_rules_when_enabled() ->
 
 
 def test_daemonset_keeps_the_cdi_spec_in_the_hosts_runtime_directory() -> None:
-    """Issue 14: the broker rewrites /var/run/cdi/hami.io-hostpid.json at every start."""
+    """The broker rewrites /var/run/cdi/hami.io-hostpid.json at every start."""
     argv = container_argv(broker_container(daemonset()))
     assert option_value(argv, "--cdi-dir") == "/var/run/cdi"
     assert option_value(argv, "--lock-parent") == LOCK_PARENT
@@ -589,6 +596,9 @@ BROKEN_DAEMONSETS: dict[str, tuple[Callable[[dict, dict], None], str]] = {
         "--cdi-dir /var/run/cdi must be writable"),
     "lock parent's parent not mounted": (
         lambda spec, c: _drop_mount(c, "/tmp"), "the lock parent's parent /tmp must be mounted"),
+    "lock parent's parent propagating host mounts": (
+        lambda spec, c: _mount(c, "/tmp").update(mountPropagation="HostToContainer"),
+        "the lock parent's parent /tmp must have mountPropagation None"),
     "lock parent mounted itself": (
         lambda spec, c: _mount(c, "/tmp").update(mountPath="/tmp/vgpulock"),
         "do not mount the lock parent"),
@@ -886,7 +896,7 @@ def containerfile_command() -> tuple[list[str], dict[str, str]]:
 def test_containerfile_installs_the_package_and_runs_the_broker() -> None:
     """
     Two stages: a wheel built where a compiler is (so it carries the C
-    helper of mode received, issue 19 item 5), installed into the slim
+    helper of the fast path), installed into the slim
     image, which then must import the helper.
     """
     instructions = containerfile_instructions()
@@ -1093,7 +1103,7 @@ def test_daemonset_container_and_its_probes_as_root_without_capabilities(
 
 def test_the_probes_fail_on_a_socket_that_listens_but_never_answers() -> None:
     """
-    Readiness is the broker answering, not its socket listening (issue 19): a
+    Readiness is the broker answering, not its socket listening: a
     root-owned socket at the broker's path that accepts connections into its
     queue and never answers (what a stalled broker looks like from outside,
     while its HTTP server may still say 200) fails both exec probes, each at
@@ -1178,12 +1188,12 @@ def test_unit_states_what_the_broker_needs() -> None:
     assert unit_value("Type") == "notify", "READY=1 once listening"
     assert unit_value("NotifyAccess") == "main"
     argv = shlex.split(unit_value("ExecStart"))
-    assert argv[0] == "/usr/local/bin/twistd"
+    assert argv[0] == "/opt/hostpid/venv/bin/twistd", "the documented install's environment"
     assert argv[1:4] == ["--nodaemon", "--pidfile=", "hostpid-broker"]
     assert metrics_port(argv) is not None
     assert unit_environment()[GATE] == "1"
     assert unit_value("Restart") == "on-failure"
-    # Issue 19: a real share of a busy node's CPU (more than a default service's weight,
+    # A real share of a busy node's CPU (more than a default service's weight,
     # 100, not so much that tenants could take system.slice's CPU through the broker),
     # and no quota that would stall a burst.
     assert 100 < int(unit_value("CPUWeight")) <= 500
@@ -1220,9 +1230,9 @@ def verifiable_unit(tmp_path: Path) -> Path:
     executable = str(twistd) if twistd.exists() else shutil.which("twistd") or sys.executable
     copy_path = tmp_path / UNIT.name
     text = UNIT.read_text()
-    assert text.count("ExecStart=/usr/local/bin/twistd ") == 1
+    assert text.count("ExecStart=/opt/hostpid/venv/bin/twistd ") == 1
     copy_path.write_text(
-        text.replace("ExecStart=/usr/local/bin/twistd ", f"ExecStart={executable} ")
+        text.replace("ExecStart=/opt/hostpid/venv/bin/twistd ", f"ExecStart={executable} ")
     )
     return copy_path
 

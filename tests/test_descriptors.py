@@ -9,16 +9,13 @@ import array
 import os
 import socket
 import struct
-import time
 from collections.abc import Iterator
 
 import pytest
-from attackers import LINGERING_SOCKET
 from kernelfeatures import has, kernel_feature
 from support import wait_for
 
 from hostpid import wire
-from hostpid.broker.closewatch import CloseWatch
 from hostpid.broker.descriptors import (
     ROOM_MARGIN,
     SCM_MAX_FD,
@@ -174,32 +171,6 @@ def test_inline_out_of_band_only_where_the_kernel_has_it(pair, outOfBand: bool) 
         assert other.getsockopt(socket.SOL_SOCKET, socket.SO_OOBINLINE) == int(outOfBand)
 
 
-def test_closer_saturates_at_its_limit() -> None:
-    """
-    Its one thread stuck in a lingering socket's close (the attack's
-    descriptor; this closer's watch is not installed, so nothing interrupts
-    it), a second descriptor waits behind it: the closer is saturated until
-    the close returns, then drains.
-    """
-    attacker: dict[str, object] = {"socket": socket, "struct": struct, "time": time}
-    exec(LINGERING_SOCKET, attacker)
-    stuck = attacker["lingering"](60)  # type: ignore[operator]
-    closer = BackgroundCloser(threads=1, limit=2, watch=CloseWatch())
-    read, write = os.pipe()
-    closer.submit(stuck.detach())  # the last reference: its close waits out the linger
-    closer.submit(read)
-    assert (closer.pending, closer.saturated, closer.room) == (2, True, 0)
-    assert os.write(write, b"x") == 1, "the pipe's read end waits behind the stuck close"
-    # The peer goes (its listener closes with the connection unaccepted): a
-    # reset, so the lingering close returns and the queue drains.
-    for held in attacker["keep"]:  # type: ignore[attr-defined]
-        held.close()
-    wait_for(lambda: closer.closed == 2 and not closer.saturated, "the closer to drain")
-    with pytest.raises(BrokenPipeError):
-        os.write(write, b"x")
-    os.close(write)
-
-
 @kernel_feature("SO_PASSRIGHTS")
 def test_this_kernel_refuses_descriptors_when_asked() -> None:
     """Linux 6.16+ (this machine runs 6.18): SO_PASSRIGHTS can be set and reads back 0."""
@@ -223,7 +194,7 @@ def test_release_after_the_peer_reset_still_closes_in_place(pair) -> None:
 def test_room_counts_the_table_the_connections_and_the_closer() -> None:
     """A full message must fit both the descriptor table and the closer's queue."""
     connections = [0]
-    closer = BackgroundCloser(threads=1, limit=SCM_MAX_FD + 10)
+    closer = BackgroundCloser(limit=SCM_MAX_FD + 10)
     receiver = PassedDescriptors(
         closer, connections=lambda: connections[0],
         descriptorLimit=1000, reserved=100,
@@ -245,13 +216,17 @@ def test_release_without_room_hands_the_connection_over_undrained(pair) -> None:
     passed = os.open("/dev/null", os.O_RDONLY)
     client.sendmsg([b"!"], rights(*[passed] * SCM_MAX_FD))
     os.close(passed)
-    closer = BackgroundCloser(threads=1)
+    closer = BackgroundCloser()
     receiver = PassedDescriptors(closer, descriptorLimit=SCM_MAX_FD + ROOM_MARGIN - 1, reserved=0)
     before = fd_count()
     assert not receiver.hasRoom()
     assert receiver.release(server) is False, "nothing was read"
     assert receiver.received == 0
     wait_for(lambda: closer.closed == 1, "the closer to close the whole connection")
+    # The connection is gone; the disposer's channel, opened on first use, came.
+    assert closer.disposerPid is not None
+    assert fd_count() == before - 1 + 1
+    closer.stop()
     assert fd_count() == before - 1
 
 

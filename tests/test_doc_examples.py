@@ -265,3 +265,156 @@ def test_readme_run_command_serves(private_directory: Path) -> None:
             process.kill()
             process.communicate()
     assert not socket_path.exists()
+
+
+# --- Every example imports only public names. ---
+
+
+#: The example files shipped beside the guides (Python, whatever the suffix).
+EXAMPLE_FILES = ("*.py", "*.tac")
+
+#: An import statement of this package inside any code block that is not
+#: Python (a C{python3 -c '...'} in a shell block, a Pod's command in YAML).
+EMBEDDED_IMPORT = re.compile(
+    r"\bfrom\s+(hostpid(?:\.\w+)*)\s+import\s+\(?([\w\s,]+?)\)?\s*(?:;|'|\"|$)"
+    r"|\bimport\s+(hostpid(?:\.\w+)*)",
+    re.M,
+)
+
+
+def example_files() -> list[Path]:
+    return sorted(
+        path for pattern in EXAMPLE_FILES for path in (REPO / "docs" / "examples").rglob(pattern)
+    )
+
+
+def public_names(module: str) -> frozenset[str] | None:
+    """
+    The names C{module} makes public (C{hostpid.__all__} is the source of
+    truth for the package and names its other public modules), or C{None}
+    when the module itself is internal.
+    """
+    import importlib
+
+    import hostpid
+
+    if module != "hostpid" and module not in hostpid.PUBLIC_MODULES:
+        return None
+    return frozenset(importlib.import_module(module).__all__)
+
+
+def import_problems(code: str, where: str) -> list[str]:
+    """Each import in C{code} of a module or name of this package that is not public."""
+    import ast
+
+    problems: list[str] = []
+
+    def check(module: str, names: list[str], line: int) -> None:
+        public = public_names(module)
+        if public is None:
+            problems.append(f"{where}+{line}: imports the internal module {module}")
+            return
+        for name in names:
+            if name == "*":
+                continue
+            if name in public:
+                continue
+            # "from hostpid import testing" imports a public module.
+            if f"{module}.{name}" in __import__("hostpid").PUBLIC_MODULES:
+                continue
+            problems.append(f"{where}+{line}: {module}.{name} is not a public name")
+
+    def check_attributes(tree: ast.AST, aliases: dict[str, str]) -> None:
+        """C{hostpid.NAME} used through an imported module must be public too."""
+        inner = {
+            id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+        }
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or id(node) in inner:
+                continue
+            parts: list[str] = []
+            value: ast.expr = node
+            while isinstance(value, ast.Attribute):
+                parts.insert(0, value.attr)
+                value = value.value
+            if not isinstance(value, ast.Name) or value.id not in aliases:
+                continue
+            dotted = ".".join([aliases[value.id], *parts])
+            module, name = aliases[value.id], parts[0]
+            for index in range(len(parts) - 1, 0, -1):
+                candidate = ".".join([aliases[value.id], *parts[:index]])
+                if candidate in __import__("hostpid").PUBLIC_MODULES:
+                    module, name = candidate, parts[index]
+                    break
+            public = public_names(module)
+            if public is None or name not in public:
+                problems.append(f"{where}+{node.lineno}: {dotted} is not a public name")
+
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        tree = None
+    if tree is not None:
+        aliases: dict[str, str] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                if node.module.split(".")[0] == "hostpid":
+                    check(node.module, [alias.name for alias in node.names], node.lineno)
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.split(".")[0] != "hostpid":
+                        continue
+                    if public_names(alias.name) is None:
+                        problems.append(
+                            f"{where}+{node.lineno}: imports the internal module {alias.name}")
+                    elif alias.asname or "." not in alias.name:
+                        aliases[alias.asname or alias.name] = alias.name
+        check_attributes(tree, aliases)
+        return problems
+    for match in EMBEDDED_IMPORT.finditer(code):
+        line = code.count("\n", 0, match.start()) + 1
+        if match.group(1):
+            names = [name.strip() for name in match.group(2).split(",") if name.strip()]
+            check(match.group(1), [name.split()[0] for name in names], line)
+        elif public_names(match.group(3)) is None:
+            problems.append(f"{where}+{line}: imports the internal module {match.group(3)}")
+    return problems
+
+
+def test_examples_import_only_public_names() -> None:
+    """
+    The README, the guides and the example files use only the public API
+    (C{docs/api.md}): an example that imports an internal module, or a name
+    a public module does not list in its C{__all__}, teaches readers to
+    depend on what may change.
+    """
+    problems: list[str] = []
+    for block in all_blocks():
+        problems += import_problems(block.code, block.where)
+    files = example_files()
+    for path in files:
+        problems += import_problems(path.read_text(), str(path.relative_to(REPO)))
+    assert files, "docs/examples/ has example files to check"
+    assert problems == [], "\n".join(problems)
+
+
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [
+        ("import hostpid\nhostpid.query_host_pid()\n", []),
+        ("from hostpid.testing import Delay, FakeBroker, Reply\n", []),
+        ("from hostpid.client.blocking import query_host_pid\n",
+         ["x+1: imports the internal module hostpid.client.blocking"]),
+        ("from hostpid import no_such_name\n", ["x+1: hostpid.no_such_name is not a public name"]),
+        ("import hostpid\nhostpid.client.blocking.doctor()\n",
+         ["x+2: hostpid.client.blocking.doctor is not a public name"]),
+        ("import hostpid.node.allocation\n",
+         ["x+1: imports the internal module hostpid.node.allocation"]),
+        ("python3 -c 'from hostpid.gate import gate_enabled; print(1)'\n",
+         ["x+1: imports the internal module hostpid.gate"]),
+        ("python3 -c 'import hostpid; print(hostpid.query_host_pid())'\n", []),
+    ],
+)
+def test_the_import_check_finds_what_it_should(code: str, expected: list[str]) -> None:
+    """The check above is not vacuous: each kind of breach is reported."""
+    assert import_problems(code, "x") == expected

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 
-from hostpid.broker.fairness import PeerQueues
+from hostpid.broker.fairness import LookBackoff, PeerQueues, Rotation
 
 
 def reference_victim(waiting: list[tuple[str, int]], reached: dict[tuple[int, int], int]):
@@ -56,3 +56,31 @@ def test_removing_what_is_not_there() -> None:
     assert queues.remove("a", 1)
     assert not queues.remove("a", 1)
     assert queues.victim() is None and queues.most == 0 and queues.count(1) == 0
+
+
+def test_rotation_looks_at_each_item_in_turn() -> None:
+    rotation: Rotation[str] = Rotation()
+    assert rotation.next() is None
+    for item in "abc":
+        rotation.add(item)
+    assert [rotation.next(), rotation.next()] == ["a", "b"]
+    rotation.add("d")
+    rotation.remove("c")
+    rotation.remove("missing")
+    assert len(rotation) == 3
+    assert [rotation.next() for _ in range(4)] == ["a", "b", "d", "a"]
+
+
+def test_look_backoff_skips_more_rounds_after_each_that_found_nothing() -> None:
+    backoff = LookBackoff(longest=4)
+    made = []
+    for _ in range(20):
+        due = backoff.due()
+        made.append(due)
+        if due:
+            backoff.looked(False)
+    # Rounds made, then 1, 2, 4, 4 ... skipped.
+    assert made[:14] == [True, False, True, False, False, True, False, False, False, False,
+                         True, False, False, False]
+    backoff.looked(True)
+    assert [backoff.due() for _ in range(3)] == [True] * 3, "a round that found one: every time"

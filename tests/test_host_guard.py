@@ -1,6 +1,7 @@
 """
 The suite's guard of the host's C{/tmp/vgpulock} (tests/conftest.py) names
-the test that changed it (issue 18): run on a small suite of its own, by a
+the test that changed it (a change seen only at the end of a run could not
+be placed): run on a small suite of its own, by a
 real pytest, with the guard pointed at a scratch lock parent.
 """
 

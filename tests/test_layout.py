@@ -5,20 +5,27 @@ imports another's private names.
 Layers, bottom up:
 
   - shared: C{wire}, C{gate}, C{peercred}, C{starttime}, C{defaults}, C{errors}, C{logs},
-    C{values}; they import no side (C{values} nothing of the project at all, and
-    C{wire} nothing but C{values});
-  - sides: C{broker}, C{client}, C{node}; each imports the shared modules
-    and its own side, never another side;
+    C{version}, C{values};
+    they import no side (C{values} nothing of the project at all, and C{wire}
+    nothing but C{values});
+  - sides: C{broker}, C{client}, C{node}, C{admission}; each imports the
+    shared modules and its own side, never another side (but C{admission}
+    takes the canonical mounts and CDI names from C{node}, see L{ALLOWED});
   - the top: the package itself (the public API), C{cli} and C{testing},
     which may use the sides but not one another.
 
 Read with C{ast} from the source, so a violating import is found whether
 or not any test happens to execute it.
+
+And the tree's text names no internal issue numbers: a reader of the
+repository cannot look them up, so comments, docstrings, test names and
+guides state the reason itself.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,9 +34,11 @@ import pytest
 from support import REPO
 
 PACKAGE = REPO / "hostpid"
-SHARED = {"wire", "gate", "peercred", "starttime", "defaults", "errors", "logs", "values"}
-SIDES = {"broker", "client", "node"}
-TOP = {"", "cli", "testing", "tap"}
+SHARED = {
+    "wire", "gate", "peercred", "starttime", "defaults", "errors", "logs", "version", "values",
+}
+SIDES = {"broker", "client", "node", "admission"}
+TOP = {"", "cli", "testing", "tap", "allocation"}
 
 
 @attrs.frozen
@@ -161,7 +170,12 @@ def layer(module: str) -> tuple[str, str]:
 
 #: Known edges across sides, each with its reason.  Keep this short: an edge
 #: here is a design decision someone has to be able to defend.
-ALLOWED: set[tuple[str, str]] = set()
+ALLOWED: set[tuple[str, str]] = {
+    # The webhook gives a pod exactly what an allocation gets: the same
+    # canonical mounts and the same CDI device name, never a copy of them.
+    ("hostpid.admission.decision", "hostpid.node.allocation"),
+    ("hostpid.admission.decision", "hostpid.node.cdi"),
+}
 
 
 def layering_problem(item: Import) -> str | None:
@@ -281,3 +295,64 @@ def test_the_public_api_is_not_taken_from_below() -> None:
     assert package_attribute_uses("hostpid.broker.metrics", source) == [
         "hostpid.broker.metrics:4: uses hostpid.TrustPolicy from below"
     ]
+
+
+# --- No internal issue numbers in the tree. ---
+
+#: A reference to an issue by its number: the word and a number, or a hash
+#: and two digits or more.
+ISSUE_NUMBER = re.compile(r"\bissue ?#?[0-9]+|#[0-9]{2}\b", re.IGNORECASE)
+
+#: What is searched: the code, its tests, the tools and the documentation.
+SEARCHED = ("hostpid", "tests", "twisted", "bench", "deploy", "docs", "native", ".ci")
+SEARCHED_FILES = ("README.md", "CHANGELOG.md", "setup.py", "setup.cfg", "pyproject.toml", "tox.ini")
+
+#: Generated benchmark reports are kept exactly as the tools wrote them.
+NOT_SEARCHED = (REPO / "bench" / "reports",)
+
+
+def searched_files() -> Iterator[Path]:
+    for name in SEARCHED_FILES:
+        if (REPO / name).is_file():
+            yield REPO / name
+    for top in SEARCHED:
+        for path in sorted((REPO / top).rglob("*")):
+            if not path.is_file() or "__pycache__" in path.parts:
+                continue
+            if any(path.is_relative_to(skipped) for skipped in NOT_SEARCHED):
+                continue
+            yield path
+
+
+def issue_references(text: str) -> list[str]:
+    return [match.group(0) for match in ISSUE_NUMBER.finditer(text)]
+
+
+def test_no_internal_issue_numbers_in_the_tree() -> None:
+    found = []
+    searched = 0
+    for path in searched_files():
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            continue  # a binary file (a plot, a built helper)
+        searched += 1
+        for number, line in enumerate(text.splitlines(), 1):
+            for reference in issue_references(line):
+                found.append(f"{path.relative_to(REPO)}:{number}: {reference!r}: {line.strip()}")
+    assert searched > 100, "the walk found the tree"
+    assert found == [], "state the reason instead of the issue number:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    ("text", "found"),
+    [
+        ("(" + "issue" + " 12 item 4)", ["issue" + " 12"]),
+        ("Is" + "sue 19: a flood", ["Is" + "sue 19"]),
+        ("see " + "issue" + "#7", ["issue" + "#7"]),
+        ("fixed in " + "#" + "19.", ["#" + "19"]),
+        ("the PR #251 line of HAMi-core; 0x1F; C#; issues remain", []),
+    ],
+)
+def test_the_issue_number_check_finds_them(text: str, found: list[str]) -> None:
+    assert issue_references(text) == found

@@ -100,7 +100,7 @@ def assert_mountpoint(path: Path) -> None:
     assert stat.S_IMODE(st.st_mode) == 0o755
 
 
-# The lock parent (issue 4) -------------------------------------------------
+# The lock parent -----------------------------------------------------------
 
 
 def test_fresh_lock_parent(tree: Path) -> None:
@@ -328,7 +328,7 @@ def test_steps_are_reported_in_order(tree: Path) -> None:
     assert seen[-2:] == ["mountpoint-opened", "mountpoint-mode-set"]
 
 
-# The broker mountpoint (issue 9) ------------------------------------------
+# The broker mountpoint ----------------------------------------------------
 
 
 def test_broker_enabled_makes_the_mountpoint(tree: Path) -> None:
@@ -561,7 +561,7 @@ def test_concurrent_allocation_directory_is_kept(tree: Path) -> None:
 
 def test_removed_mountpoint_is_reported(tree: Path) -> None:
     """
-    Issue 13 item 5: a mountpoint an earlier allocation made, gone later
+    A mountpoint an earlier allocation made, gone later
     (only root can remove it), is reported and counted when it is made again.
     """
     prepare(tree, broker_enabled=True)
@@ -630,7 +630,7 @@ def test_cli_refuses_an_unsafe_lock_parent(tree: Path) -> None:
     assert "symlink" in result.stderr
 
 
-# A racing tenant (issue 13 item 1) -----------------------------------------
+# A racing tenant ----------------------------------------------------------
 
 #: How many fresh lock parents each planter variant races.
 RACE_ROUNDS = 32
@@ -663,7 +663,7 @@ while True:
 @pytest.mark.parametrize("kind", ["file", "directory", "flapping"])
 def test_racing_planter_never_fails_an_allocation(tree: Path, kind: str) -> None:
     """
-    Issue 13 item 1: a real UID 1000 process re-creates C{hostpid} as soon as
+    A real UID 1000 process re-creates C{hostpid} as soon as
     it disappears.  Over many fresh lock parents every broker-enabled
     preparation must succeed with the broker's own directory in place, and
     leave at most one quarantined entry behind.

@@ -44,7 +44,7 @@ def test_at_the_cap_a_newcomer_evicts_the_oldest() -> None:
     """
     Every slot held (idle, slow or keep-alive clients): a newcomer takes the
     oldest one's slot, which is aborted unanswered, so a probe always gets
-    in.  (Before the review of issue 12 the newcomer was refused instead,
+    in.  (Before eviction the newcomer was refused instead,
     and 16 keep-alive clients kept every probe out.)
     """
     server = site()

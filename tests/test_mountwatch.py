@@ -1,5 +1,5 @@
 """
-The broker's watch of its mountpoint in the lock parent (issue 13 item 5):
+The broker's watch of its mountpoint in the lock parent:
 a root workload's C{rmdir} or replacement is logged and counted once.
 """
 
@@ -45,8 +45,8 @@ def test_missing_and_replaced_are_logged_once(public_tmp: Path) -> None:
 
 def test_a_replacement_that_stays_is_logged_and_counted_once(public_tmp: Path) -> None:
     """
-    A planted symlink left in place: one event, not one per look (the review
-    after issue 13 saw 1, 2, 3, 4 over four looks: a line a second).
+    A planted symlink left in place: one event, not one per look (a review
+    once saw 1, 2, 3, 4 over four looks: a line a second).
     """
     require_root()
     lock_parent = public_tmp / "vgpulock"

@@ -1,5 +1,6 @@
 """
-Issue 20: the C{peer-pid} and C{sandbox} checks, and the words C{doctor}
+The C{peer-pid} and C{sandbox} checks (which keep a sandboxed runtime's
+answer, the gofer's PID, from being believed), and the words C{doctor}
 finds for each compatibility cell.
 
 The judgements are pure functions, tested here on the values each runtime

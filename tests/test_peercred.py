@@ -206,3 +206,23 @@ def test_fallback_check_is_pidfd_open_and_named(pair) -> None:
     assert identifier.check is LivenessCheck.PIDFD_OPEN
     assert identifier.acceptClock is not None
     assert PeerIdentifier().host_pid(pair[0]) == os.getpid()
+
+
+@pytest.mark.parametrize("check", [None, LivenessCheck.PIDFD_OPEN], ids=["best", "pidfd_open"])
+def test_connector_gone_tells_an_exited_connector_from_a_live_one(
+    tmp_path: Path, pair, check: LivenessCheck | None
+) -> None:
+    """
+    What the waiting room asks of connections when every slot is held: the
+    best check the kernel has, or C{pidfd_open} as before Linux 6.5.
+    """
+    identifier = PeerIdentifier(check=check)
+    with accepted_from_exited_child(tmp_path / "s") as connection:
+        assert identifier.connector_gone(connection) is True
+    assert identifier.connector_gone(pair[0]) is False
+
+
+def test_connector_gone_cannot_tell_without_a_liveness_check(tmp_path: Path) -> None:
+    identifier = PeerIdentifier(check=LivenessCheck.NONE)
+    with accepted_from_exited_child(tmp_path / "s") as connection:
+        assert identifier.connector_gone(connection) is False

@@ -150,6 +150,35 @@ class TestFastPath:
         assert factory.answerWaiting(held(factory, server)) is None
         assert client.recv(64) == wire.INVALID_REQUEST_RESPONSE
 
+    def test_a_backlog_marker_is_recognized_and_not_answered(self, factory, pair) -> None:
+        """
+        The port's own marker (8 random bytes it noted, which are no valid
+        request) tells the port when it was made, gets no reply, and is no
+        transaction.
+        """
+        server, client = pair
+        nonce = b"\x01marker!"
+        seen: list[int] = []
+        factory.markers[nonce] = 12345
+        factory.markerSeen = seen.append
+        client.sendall(nonce)
+        assert factory.answerWaiting(held(factory, server)) is None
+        assert client.recv(64) == b"", "closed with no reply"
+        assert seen == [12345] and not factory.markers
+        assert factory.counts[Outcome.INVALID] == 0
+
+    def test_a_client_cannot_pass_for_a_marker_it_does_not_know(self, factory, pair) -> None:
+        """Other invalid bytes are an invalid request, whatever markers are out."""
+        server, client = pair
+        seen: list[int] = []
+        factory.markers[b"\x01marker!"] = 12345
+        factory.markerSeen = seen.append
+        client.sendall(b"\x01marker?")
+        assert factory.answerWaiting(held(factory, server)) is None
+        assert client.recv(64) == wire.INVALID_REQUEST_RESPONSE
+        assert seen == [] and factory.markers
+        assert factory.counts[Outcome.INVALID] == 1
+
     def test_nothing_waiting_goes_to_general_path(self, factory, pair) -> None:
         conn = held(factory, pair[0])
         assert factory.answerWaiting(conn) == b""
@@ -189,7 +218,7 @@ class TestReceivingFastPath(TestFastPath):
     @pytest.fixture
     def factory(self, reads: str, clock: MemoryReactorClock) -> Iterator[BrokerFactory]:
         made = BrokerFactory(clock, deadline=DEADLINE, maxConnections=4)
-        passed = PassedDescriptors(BackgroundCloser(threads=1), native=made.calls.native)
+        passed = PassedDescriptors(BackgroundCloser(), native=made.calls.native)
         made.receiveDescriptors(passed)
         yield made
         passed.stop()

@@ -16,6 +16,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import attrs
@@ -26,7 +27,7 @@ from support import REPO, as_user_argv, require_root, subprocess_env, wait_for
 import hostpid
 from hostpid import wire
 from hostpid.client import blocking, txclient
-from hostpid.testing import FakeBroker
+from hostpid.testing import Close, Delay, FakeBroker, Raw, Reply, Silent
 
 REFUSING = wire.INVALID_REQUEST_RESPONSE
 DOWNSTREAM = REPO / "tests" / "downstream" / "test_hostpid_fake_broker.py"
@@ -294,6 +295,202 @@ class TestMemoryReactor:
         assert reactor.getDelayedCalls() == []
 
 
+def query(broker: FakeBroker, policy: hostpid.TrustPolicy | None = None) -> int | str:
+    """The blocking client's answer, or the name of the check that failed."""
+    try:
+        return hostpid.query_host_pid(policy or broker.policy, broker.environ)
+    except hostpid.HostPidUnavailable as problem:
+        return problem.check
+
+
+class TestScript:
+    """One step per connection, in order, like treq's RequestSequence."""
+
+    def test_steps_in_order_one_per_connection(self) -> None:
+        script = [Reply(pid=11), Raw(REFUSING), Close(), Reply(), Silent(), Reply(pid=12)]
+        with FakeBroker(script=script, deadline=0.2) as broker:
+            assert broker.remaining == tuple(script)
+            assert query(broker) == 11
+            assert query(broker) == "reply"           # status 1
+            assert query(broker) == "reply"           # closed at accept: no reply
+            assert query(broker) == os.getpid()       # Reply(): the caller's own PID
+            assert query(broker) == "deadline"        # Silent()
+            assert query(broker) == 12
+            assert broker.remaining == ()
+            assert broker.unscripted == 0
+            # Past the script: closed at once, and counted, so a test sees it.
+            assert query(broker) == "reply"
+            assert (broker.connections, broker.unscripted) == (7, 1)
+            # Close() read nothing; the unscripted connection neither.
+            assert broker.requests == [wire.GET_HOST_PID_REQUEST] * 5
+
+    def test_delay_then_reply(self) -> None:
+        with FakeBroker(script=[Delay(0.3, then=Reply(pid=5)), Delay(2.0)], deadline=1.0) as broker:
+            started = time.monotonic()
+            assert query(broker) == 5
+            assert time.monotonic() - started >= 0.3, "answered after the delay, not before"
+            assert query(broker) == "deadline", "a delay longer than the caller's deadline"
+
+    def test_a_delay_answers_a_half_closed_caller(self) -> None:
+        with FakeBroker(script=[Delay(0.2, then=Reply(pid=6))]) as broker:
+            reply = raw_exchange(broker.socket_path, wire.GET_HOST_PID_REQUEST, close_write=True)
+        assert reply == wire.encode_ok(6)
+
+    def test_a_delay_then_a_close_or_silence(self) -> None:
+        script = [Delay(0.1, then=Close()), Delay(0.1, then=Silent()), Delay(0, then=Raw(b"HP"))]
+        with FakeBroker(script=script, deadline=0.5) as broker:
+            assert query(broker) == "reply"
+            assert query(broker) == "deadline"
+            assert raw_exchange(broker.socket_path, wire.GET_HOST_PID_REQUEST) == b"HP"
+
+    def test_a_caller_that_leaves_during_a_delay(self) -> None:
+        """Its connection is closed when the delay ends; the double goes on serving."""
+        with FakeBroker(script=[Delay(0.2), Reply(pid=8)]) as broker:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.connect(broker.socket_path)
+                sock.sendall(wire.GET_HOST_PID_REQUEST)
+            wait_for(lambda: broker.requests, "the request read")
+            assert query(broker) == 8
+
+    @pytest.mark.parametrize(
+        ("make", "error"),
+        [
+            (lambda: FakeBroker(script=[Reply(), "HPID"]), TypeError),
+            (lambda: FakeBroker(pid=1, script=[]), ValueError),
+            (lambda: FakeBroker(silent=True, script=[Silent()]), ValueError),
+            (lambda: FakeBroker(deadline=0), ValueError),
+            (lambda: FakeBroker(deadline=float("inf")), ValueError),
+            (lambda: Reply(pid=0), ValueError),
+            (lambda: Reply(pid=2**31), ValueError),
+            (lambda: Raw("HPID"), TypeError),
+            (lambda: Delay(-1), ValueError),
+            (lambda: Delay(float("nan")), ValueError),
+            (lambda: Delay("1"), TypeError),
+            (lambda: Delay(1, then=b"HPID"), TypeError),
+        ],
+    )
+    def test_bad_scripts(self, make: object, error: type[Exception]) -> None:
+        with pytest.raises(error):
+            make()  # type: ignore[operator]
+
+    def test_an_empty_script_answers_nobody(self) -> None:
+        with FakeBroker(script=[]) as broker:
+            assert query(broker) == "reply"
+            assert broker.unscripted == 1
+
+
+class TestDeadline:
+    def test_the_policy_carries_the_deadline_given(self) -> None:
+        with FakeBroker(deadline=0.2) as broker:
+            assert broker.policy.deadline == 0.2
+        with FakeBroker() as broker:
+            assert broker.policy.deadline == hostpid.STRICT.deadline
+
+    def test_a_silent_broker_is_given_up_on_at_that_deadline(self) -> None:
+        with FakeBroker(silent=True, deadline=0.2) as broker:
+            started = time.monotonic()
+            assert query(broker) == "deadline"
+            assert time.monotonic() - started < hostpid.STRICT.deadline
+
+
+class TestRestart:
+    def test_a_new_socket_at_the_same_path(self) -> None:
+        with FakeBroker(script=[Silent(), Reply(pid=21), Reply(pid=22)]) as broker:
+            path, policy = broker.socket_path, broker.policy
+            # Held open, the old inode cannot be reused for the new socket,
+            # and its link count tells whether its name is gone.
+            old = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+            held = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            held.settimeout(10)
+            held.connect(path)
+            held.sendall(wire.GET_HOST_PID_REQUEST)
+            wait_for(lambda: broker.requests, "the held connection's request")
+            assert broker.restart() is broker
+            assert held.recv(12) == b"", "a connection open at the restart is closed unanswered"
+            held.close()
+            try:
+                before = os.fstat(old)
+            finally:
+                os.close(old)
+            assert before.st_nlink == 0, "the old socket is gone"
+            after = os.lstat(path)
+            assert stat.S_ISSOCK(after.st_mode)
+            assert (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino)
+            assert broker.policy == policy, "the same path and the same trust"
+            assert query(broker) == 21, "the script goes on where it was"
+            broker.restart()
+            assert query(broker) == 22
+            assert broker.restarts == 2
+
+    def test_leaves_nothing_behind_after_restarts(self) -> None:
+        threads_before = set(threading.enumerate())
+        fds_before = set(os.listdir("/proc/self/fd"))
+        broker = FakeBroker().start()
+        for _ in range(3):
+            broker.restart()
+            assert query(broker) == os.getpid()
+        assert len(set(threading.enumerate()) - threads_before) == 1
+        path = broker.socket_path
+        broker.stop()
+        assert set(threading.enumerate()) == threads_before
+        assert set(os.listdir("/proc/self/fd")) == fds_before
+        assert not os.path.exists(os.path.dirname(path))
+
+    def test_only_a_running_broker_restarts(self) -> None:
+        broker = FakeBroker()
+        with pytest.raises(RuntimeError, match="restarts"):
+            broker.restart()
+        broker.start()
+        broker.stop()
+        with pytest.raises(RuntimeError, match="restarts"):
+            broker.restart()
+
+    def test_the_restart_leaves_alone_what_it_did_not_make(self) -> None:
+        """A file put at the path is not removed; the new bind then fails, and the double stops."""
+        broker = FakeBroker().start()
+        path = Path(broker.socket_path)
+        path.unlink()
+        path.write_text("someone else's")
+        with pytest.raises(OSError):
+            broker.restart()
+        assert path.read_text() == "someone else's"
+        path.unlink()
+        path.parent.rmdir()
+        assert repr(broker).startswith("<FakeBroker stopped")
+
+
+class TestScriptWithTheReactor:
+    """The Twisted client against scripts and restarts, with the reactor running."""
+
+    @pytest_twisted.ensureDeferred
+    async def test_twisted_client_through_a_script_and_a_restart(
+        self, clean_reactor: None
+    ) -> None:
+        script = [Delay(0.2, then=Reply(pid=31)), Close(), Silent(), Reply(pid=32)]
+        with FakeBroker(script=script, deadline=0.4) as broker:
+            assert await hostpid.query_host_pid_deferred(broker.policy, broker.environ) == 31
+            assert await hostpid.lookup_host_pid_deferred(broker.policy, broker.environ) is None
+            with pytest.raises(hostpid.HostPidUnavailable) as caught:
+                await hostpid.query_host_pid_deferred(broker.policy, broker.environ)
+            assert caught.value.check == "deadline"
+            broker.restart()
+            assert await hostpid.query_host_pid_deferred(broker.policy, broker.environ) == 32
+
+    @pytest_twisted.ensureDeferred
+    async def test_blocking_client_on_the_reactor_thread_against_a_delay(
+        self, clean_reactor: None
+    ) -> None:
+        from twisted.internet import reactor
+        from twisted.internet.task import deferLater
+
+        def on_the_reactor() -> int | None:
+            assert reactor.running  # type: ignore[attr-defined]
+            with FakeBroker(script=[Delay(0.1, then=Reply(pid=33))]) as broker:
+                return blocking.lookup_host_pid(broker.policy, broker.environ)
+
+        assert await deferLater(reactor, 0, on_the_reactor) == 33
+
+
 # --- Downstream: a project's own test module, under trial and under pytest, as UID 1000. ---
 
 
@@ -347,17 +544,22 @@ def run_downstream(source: str, module: str, runner: str, public_tmp: Path) -> N
     assert list(scratch.iterdir()) == [], "the fake brokers left files behind"
 
 
-def docs_example() -> tuple[str, str]:
+def docs_examples() -> dict[str, str]:
     """
-    The downstream test in C{docs/client.md}: the Python block right after
-    the C{<!-- downstream-example: NAME.py -->} marker, exactly as written.
+    The downstream tests in C{docs/client.md}: each Python block right after
+    a C{<!-- downstream-example: NAME.py -->} marker, exactly as written.
     """
     text = CLIENT_DOC.read_text()
-    found = re.search(
+    found = re.findall(
         r"^<!-- downstream-example: (\w+)\.py -->\n```python\n(.*?)^```$", text, re.M | re.S
     )
     assert found, "docs/client.md has no downstream-example block"
-    return found.group(1), found.group(2)
+    return dict(found)
+
+
+def test_the_docs_have_both_downstream_examples() -> None:
+    """The parametrized run below would pass vacuously on a renamed marker."""
+    assert set(docs_examples()) == {"test_pid_accounting", "test_retrying_client"}
 
 
 @pytest.mark.privileged
@@ -368,6 +570,6 @@ def test_downstream_module_as_uid_1000(runner: str, public_tmp: Path) -> None:
 
 @pytest.mark.privileged
 @pytest.mark.parametrize("runner", ["trial", "pytest"])
-def test_docs_example_as_uid_1000(runner: str, public_tmp: Path) -> None:
-    module, source = docs_example()
-    run_downstream(source, module, runner, public_tmp)
+@pytest.mark.parametrize("module", sorted(docs_examples()))
+def test_docs_example_as_uid_1000(module: str, runner: str, public_tmp: Path) -> None:
+    run_downstream(docs_examples()[module], module, runner, public_tmp)

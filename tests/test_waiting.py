@@ -23,8 +23,8 @@ from twisted.internet.testing import MemoryReactorClock
 from hostpid import wire
 from hostpid.broker.descriptors import PassedDescriptors
 from hostpid.broker.server import BrokerFactory, Outcome, max_waiting_per_peer
-from hostpid.broker.waiting import WaitingConnection, WaitingRoom, peer_pid
-from hostpid.peercred import PeerIdentifier
+from hostpid.broker.waiting import GONE_CHECKS, WaitingConnection, WaitingRoom, peer_pid
+from hostpid.peercred import LivenessCheck, PeerIdentifier
 
 DEADLINE = 0.5
 REQUEST = wire.GET_HOST_PID_REQUEST
@@ -56,9 +56,48 @@ class Tenants:
         assert connection is not None, "admitted"
         return connection, client
 
+    def sprayed(
+        self, listener: socket.socket, peer: int
+    ) -> tuple[WaitingConnection | None, socket.socket]:
+        """
+        A connection as a PID spray makes it: connected by a child that
+        exited (and was reaped) at once, its socket kept by this process.
+        """
+        server, client = connected_by_exited_child(listener)
+        self.clients.append(client)
+        self.peers[server.fileno()] = peer
+        return self.room.admit(server, b""), client
+
     def close(self) -> None:
         for client in self.clients:
             client.close()
+
+
+def connected_by_exited_child(listener: socket.socket) -> tuple[socket.socket, socket.socket]:
+    """
+    The accepted end, and the connecting end, of a connection that a forked
+    child made on this process's socket before exiting: the peer
+    credentials name the child, which is gone and reaped.
+    """
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the child
+        try:
+            client.connect(listener.getsockname())
+        finally:
+            os._exit(0)
+    os.waitpid(child, 0)
+    server, _ = listener.accept()
+    return server, client
+
+
+@pytest.fixture
+def listener(tmp_path) -> Iterator[socket.socket]:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(os.fspath(tmp_path / "s"))
+    sock.listen(8)
+    yield sock
+    sock.close()
 
 
 def closed_unanswered(client: socket.socket) -> bool:
@@ -320,6 +359,104 @@ def test_an_answered_connection_has_left_and_is_never_evicted(setup) -> None:
     tenants.waiting(peer=6)
     assert others[0][0].finished and factory.counts[Outcome.EVICTED] == 1
     assert reply(firstClient) == wire.encode_ok(os.getpid())
+
+
+def test_connections_whose_connector_is_gone_give_up_their_slots_first(
+    setup, listener
+) -> None:
+    """
+    A PID spray: every slot but one held by connections whose connector has
+    exited, each under its own PID.  The live late sender is the oldest of
+    many one-connection peers, which the fairness rule alone would evict
+    first; those that can never be answered go first instead.
+    """
+    factory, room, tenants = setup
+    late, lateClient = tenants.waiting(peer=1)
+    sprayed = [tenants.sprayed(listener, peer=10 + index) for index in range(3)]
+    assert all(connection is not None for connection, _ in sprayed), "room to spare: admitted"
+    newcomer, _ = tenants.waiting(peer=2)
+    assert not late.finished and not newcomer.finished
+    assert [connection.finished for connection, _ in sprayed] == [True, False, False]
+    assert factory.counts[Outcome.CONNECTOR_GONE] == 1
+    assert factory.counts[Outcome.EVICTED] == 0
+    assert closed_unanswered(sprayed[0][1])
+    assert len(room.rotation) == len(room) == 4
+    lateClient.sendall(REQUEST)
+    late.doRead()
+    assert reply(lateClient) == wire.encode_ok(os.getpid())
+
+
+def test_a_newcomer_whose_connector_is_gone_takes_no_slot_when_every_slot_is_held(
+    setup, listener
+) -> None:
+    factory, room, tenants = setup
+    held = [tenants.waiting(peer=index) for index in range(4)]
+    connection, client = tenants.sprayed(listener, peer=99)
+    assert connection is None, "closed at accept"
+    assert closed_unanswered(client)
+    assert factory.counts[Outcome.CONNECTOR_GONE] == 1
+    assert factory.counts[Outcome.EVICTED] == 0
+    assert not any(c.finished for c, _ in held) and factory.active == 4
+
+
+def test_with_every_connector_alive_the_fairness_rule_chooses(setup) -> None:
+    """The looks find nothing gone: eviction falls where it did without them."""
+    factory, room, tenants = setup
+    held = [tenants.waiting(peer=index) for index in range(4)]
+    tenants.waiting(peer=99)
+    assert [c.finished for c, _ in held] == [True, False, False, False]
+    assert factory.counts[Outcome.EVICTED] == 1
+    assert factory.counts[Outcome.CONNECTOR_GONE] == 0
+
+
+def test_looks_are_bounded_and_reach_every_connection_in_turn(clock, listener) -> None:
+    """
+    At most L{GONE_CHECKS} waiting connections are asked per newcomer, and
+    those found alive go to the back: the one gone behind them is reached
+    by a later newcomer, not never.
+    """
+    factory, room, tenants = make_room(clock, maxConnections=GONE_CHECKS + 2, maxPerPeer=8)
+    try:
+        alive = [tenants.waiting(peer=1)[0] for _ in range(GONE_CHECKS + 1)]
+        gone, _ = tenants.sprayed(listener, peer=50)
+        assert gone is not None
+        asked: list[WaitingConnection] = []
+        original = factory.identifier.connector_gone
+
+        def counting(sock: socket.socket, accepted: int = 0) -> bool:
+            asked.extend(c for c in [*alive, gone] if c.socket is sock)
+            return original(sock, accepted)
+
+        factory.identifier.connector_gone = counting  # type: ignore[method-assign]
+        tenants.waiting(peer=2)
+        # The newcomer itself, then GONE_CHECKS of the oldest, all alive:
+        # the fairness rule evicts the oldest of peer 1.
+        assert asked == alive[:GONE_CHECKS]
+        assert alive[0].finished and not gone.finished
+        assert factory.counts[Outcome.EVICTED] == 1
+        asked.clear()
+        tenants.waiting(peer=3)
+        assert asked == [] and not gone.finished, "after a round that found none, one skipped"
+        assert factory.counts[Outcome.EVICTED] == 2
+        tenants.waiting(peer=4)
+        assert gone.finished, "reached on the next round, not never"
+        assert factory.counts[Outcome.CONNECTOR_GONE] == 1
+        assert 1 <= len(asked) <= GONE_CHECKS
+    finally:
+        tenants.close()
+
+
+def test_without_a_liveness_check_no_connector_is_known_gone(clock, listener) -> None:
+    """With C{SO_PEERCRED} alone nothing tells a gone connector: the fairness rule alone."""
+    factory, room, tenants = make_room(clock, identifier=PeerIdentifier(check=LivenessCheck.NONE))
+    try:
+        held = [tenants.sprayed(listener, peer=index)[0] for index in range(4)]
+        tenants.waiting(peer=99)
+        assert [c is not None and c.finished for c in held] == [True, False, False, False]
+        assert factory.counts[Outcome.EVICTED] == 1
+        assert factory.counts[Outcome.CONNECTOR_GONE] == 0
+    finally:
+        tenants.close()
 
 
 def test_one_peer_cannot_hold_more_than_its_share(clock) -> None:

@@ -38,7 +38,7 @@ drops a reference on the file for every system call on a descriptor, in
 every thread; with the watchdog (the broker's only other thread while no
 client passes a descriptor) on a table of its own, the reactor thread's
 calls take the single-threaded path again, about 1.5 us less per
-transaction in mode I{received} (docs/performance.md).  So the watchdog
+transaction in mode I{received} (CHANGELOG.md, performance history).  So the watchdog
 makes no call that needs a descriptor: what it has to say (a log line, a
 stuck close for its owner) waits in its outbox, and the main thread, woken
 by the same signal, hands it to the reactor (L{CloseWatch.flush}).  It also
@@ -75,9 +75,17 @@ INTERRUPT_SIGNAL = signal.SIGRTMIN + 4
 POLL_BUSY = 0.02
 POLL_IDLE = 0.1
 
-#: A close still running this long, despite interrupts every poll, ignores
-#: signals: reported as stuck.
+#: A close still running this long, despite interrupts, ignores signals:
+#: reported as stuck.
 STUCK_AFTER = 2.0
+
+#: Signals sent into one close at most.  A real-time signal queues one
+#: entry per send, charged to the sender's UID's C{RLIMIT_SIGPENDING}, which
+#: every process of that UID on the node shares (for the broker, UID 0: the
+#: kubelet, the container runtime, every root container).  A close that
+#: outlasts this many interrupts ignores them; more would only fill that
+#: queue, for as long as the close lasted.
+INTERRUPTS_PER_CLOSE = 3
 
 
 #: C{close_range(2)} (Linux 5.9): its number where the broker runs (x86-64,
@@ -181,6 +189,8 @@ class CloseWatch:
         self.pollIdle = pollIdle
         self.stuckAfter = stuckAfter
         self.interrupted = 0
+        #: Whether someone replaced the handler after L{install} (said once).
+        self.handlerLost = False
         self.active = False
         self.reason = "not installed"
         #: Why the watchdog thread still shares the process's descriptor
@@ -255,6 +265,31 @@ class CloseWatch:
         """Guards inside a close that ignored interrupts for L{STUCK_AFTER}."""
         return sum(1 for guard in list(self._guards) if guard.stuck)
 
+    def checkHandler(self) -> bool:
+        """
+        In the main thread, now and then: whether the handler L{install}
+        put in place is still there.  An embedding application that installs
+        its own handler for L{signum} takes the close bound away (the
+        watchdog then never signals, since the signal's default action or
+        someone else's handler could do anything): said once, as an error,
+        and L{active} becomes false, which readiness and the metrics show.
+
+        @return: whether closes can still be interrupted.
+        """
+        if not self.active:
+            return False
+        if signal.getsignal(self.signum) is _interrupted:
+            return True
+        self.active = False
+        self.handlerLost = True
+        self.reason = f"the handler of signal {int(self.signum)} was replaced after start"
+        self.log.error(
+            "hostpid-broker: {reason}: closes in this process are no longer bounded; "
+            "leave signal {signum} to the broker",
+            reason=self.reason, signum=int(self.signum),
+        )
+        return False
+
     def look(self) -> bool:
         """
         One look at every guard (the watchdog's loop body; public so tests
@@ -273,7 +308,8 @@ class CloseWatch:
                 guard.seen, guard.looks, guard.stuck = closes, 1, False
                 continue
             guard.looks += 1
-            self._interrupt(guard)
+            if guard.looks - 1 <= INTERRUPTS_PER_CLOSE:
+                self._interrupt(guard)
             if not guard.stuck and (guard.looks - 1) * self.pollBusy >= self.stuckAfter:
                 guard.stuck = True
                 self._emit(

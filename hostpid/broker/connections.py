@@ -8,7 +8,7 @@ object is built for it, so there is no C{getsockname} (CPython's socket
 constructor asks it of every descriptor it is given), no address asked of
 C{accept} and thrown away, and no GIL dropped and taken again around each
 call: 1-3 us less per transaction, in both descriptor modes
-(C{docs/performance.md}, "fifth look").  Where the helper is not built, a
+(C{CHANGELOG.md}, performance history).  Where the helper is not built, a
 connection is a C{_socket.socket} and the calls are the socket module's
 methods, the reference the helper's calls must match: the same system
 calls, the same flags, the same errors.
@@ -88,7 +88,7 @@ def _descriptor_acceptor(listener: _socket.socket) -> Callable[[], int]:
 def _socket_acceptor(listener: _socket.socket) -> Callable[[], _socket.socket]:
     # The C-level accept and socket type: socket.socket.accept() builds an
     # instance of the Python subclass for each connection, about 2.5 us
-    # more (docs/performance.md, optimisation log).
+    # more (CHANGELOG.md, optimisation log).
     accept = listener._accept  # type: ignore[attr-defined]
 
     def acceptOne() -> _socket.socket:

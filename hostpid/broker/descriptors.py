@@ -28,8 +28,8 @@ Two modes, chosen once when the listener is created (L{DescriptorMode}):
     Each received descriptor is then made
     safe to close or closed elsewhere: an Internet socket gets C{SO_LINGER
     {1, 0}} (its close resets the connection at once) and is closed here;
-    anything else goes to L{BackgroundCloser}, whose threads may block as
-    long as the kernel likes.
+    anything else goes to L{BackgroundCloser}, which has a disposer
+    process close it (L{hostpid.broker.closer}): the broker never does.
 
 Room in the descriptor table (both I{received}-mode reads): a C{recvmsg}
 whose message carries more descriptors than the table can take installs what
@@ -53,11 +53,12 @@ connections are bare descriptors (L{hostpid.broker.connections}).  Where
 it is not built (no compiler at install) the Python path below makes them,
 and is the reference the C one is tested against.
 
-No close holds a thread for long (L{hostpid.broker.closewatch}): the
-closer's threads and the reactor's own closes are watched, and a close still
-running at two consecutive looks of the watchdog (about 40 ms) is
-interrupted with a signal, which ends a lingering socket's wait however
-deeply it was nested.
+No passed descriptor is closed in the broker (L{hostpid.broker.closer}):
+the disposer process disarms lingering sockets, interrupts what it cannot
+disarm within milliseconds, and is abandoned if a close ignores signals.
+The reactor thread's own closes (a connection whose queue is empty; on
+kernels before 6.10 any Unix socket close may run the kernel's collector
+of in-flight garbage here) are still watched (L{hostpid.broker.closewatch}).
 """
 
 from __future__ import annotations
@@ -66,18 +67,14 @@ import _socket
 import enum
 import errno
 import os
-import queue
 import resource
 import socket
 import struct
-import threading
 from collections.abc import Callable
 from typing import Any
 
-from twisted.logger import Logger
-
 from hostpid import defaults
-from hostpid.broker.closewatch import CloseGuard, CloseWatch, default_watch
+from hostpid.broker.closer import BackgroundCloser
 from hostpid.broker.connections import NATIVE_MISSING, unix_socket
 from hostpid.broker.connections import helper as _native
 
@@ -112,16 +109,6 @@ _LINGER_RESET = struct.pack("ii", 1, 0)
 DRAIN_READS = 8
 _DRAIN_SIZE = 65536
 
-#: Threads of the background closer, descriptors it may hold waiting (room
-#: for two full messages), and threads it may start in all, replacing
-#: threads stuck in a close that ignores interrupts.
-CLOSER_THREADS = 2
-CLOSER_QUEUE = 2 * 256
-CLOSER_MAX_THREADS = 8
-
-#: Seconds a closer thread waits with nothing to close before it ends.
-CLOSER_IDLE = 5.0
-
 #: Descriptors kept free beyond one full message before any read with an
 #: ancillary buffer: the connection in hand, a transient pidfd, a log file
 #: reopened, a metrics connection accepted meanwhile.
@@ -153,167 +140,6 @@ def refuse_descriptor_passing(sock: _socket.socket) -> bool:
             return False
         raise
     return sock.getsockopt(_SOL_SOCKET, SO_PASSRIGHTS) == 0
-
-
-class BackgroundCloser:
-    """
-    Closes descriptors on a few daemon threads, so a close that blocks (a
-    lingering socket inside a passed Unix socket's queue, a FUSE file, a
-    terminal draining its output) blocks one of them, never the reactor;
-    and each such close is cut short by L{CloseWatch}, which interrupts a
-    thread found inside one close for two of its looks (about 40 ms).
-
-    Bounded by admission, not by refusal (refusing a descriptor already
-    received would mean closing it here, which is what this class exists to
-    avoid): L{PassedDescriptors} makes no read that could carry a full
-    message unless L{room} can take it, so at most C{limit} I{received}
-    descriptors wait.  Connections handed over whole (one descriptor each,
-    already counted among the connections) may come on top.  L{saturated}
-    tells the listening port to stop accepting until the queue drains.
-
-    After each close the thread also closes a throwaway Unix socket pair:
-    on kernels before 6.10 that runs the Unix garbage collector I{here}, so
-    in-flight garbage our close just made (a passed socket that carries
-    itself) is freed in a guarded closer thread, not in the next thread that
-    happens to close a Unix socket (the reactor's).
-
-    A thread whose close ignores interrupts (L{CloseWatch} reports it stuck)
-    is replaced by a fresh one, up to L{CLOSER_MAX_THREADS} in all, so
-    descriptors behind it keep closing.  The threads start on first use and
-    are never joined: a close that blocks cannot be waited for.  A thread
-    that finds nothing to close for L{CLOSER_IDLE} seconds, with nothing
-    pending, ends: while any other thread shares the process's descriptor
-    table, every system call on a descriptor costs the reactor thread more
-    (see L{hostpid.broker.closewatch}), so the threads one client's passed
-    descriptors brought do not slow every later transaction.
-    """
-
-    log = Logger()
-
-    def __init__(
-        self,
-        threads: int = CLOSER_THREADS,
-        limit: int = CLOSER_QUEUE,
-        watch: CloseWatch | None = None,
-        maxThreads: int = CLOSER_MAX_THREADS,
-        idle: float = CLOSER_IDLE,
-    ) -> None:
-        self.limit = limit
-        self.idle = idle
-        self._threads = threads
-        self._maxThreads = max(threads, maxThreads)
-        if watch is None:
-            # The process's watchdog, installed here (the broker builds its
-            # closer in the reactor's thread, the main one).  A watch given
-            # by the caller is the caller's to install.
-            watch = default_watch()
-            watch.install()
-        self._watch = watch
-        self._queue: queue.SimpleQueue[int] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._started = 0
-        self._replaced: set[CloseGuard] = set()
-        #: Descriptors submitted and not yet closed (waiting or being closed).
-        self.pending = 0
-        self.closed = 0
-
-    @property
-    def threads(self) -> int:
-        """Threads started and not yet ended (idle, or replaced once stuck)."""
-        return self._started
-
-    @property
-    def saturated(self) -> bool:
-        return self.pending >= self.limit
-
-    @property
-    def room(self) -> int:
-        """Descriptors the queue can still take within its bound."""
-        return self.limit - self.pending
-
-    @property
-    def watch(self) -> CloseWatch:
-        """The watchdog that bounds this closer's closes."""
-        return self._watch
-
-    @property
-    def interruptible(self) -> bool:
-        """Whether closes can be interrupted here (see L{CloseWatch.install})."""
-        return self._watch.active
-
-    @property
-    def interrupted(self) -> int:
-        """Closes the watchdog interrupted (process-wide)."""
-        return self._watch.interrupted
-
-    @property
-    def stuck(self) -> int:
-        """Threads stuck in a close that ignores interrupts (process-wide)."""
-        return self._watch.stuck
-
-    def submit(self, fd: int) -> None:
-        with self._lock:
-            self.pending += 1
-            start = self._threads - self._started
-            self._started += max(start, 0)
-        for _ in range(start):
-            self._startThread()
-        self._queue.put(fd)
-
-    def _startThread(self) -> None:
-        threading.Thread(target=self._run, name="hostpid-closer", daemon=True).start()
-
-    def _replace(self, guard: CloseGuard) -> None:
-        """From the watch (in the main thread): C{guard}'s thread is stuck; carry on without it."""
-        with self._lock:
-            if self._started >= self._maxThreads:
-                return
-            self._started += 1
-            self._replaced.add(guard)
-        self._startThread()
-
-    def _run(self) -> None:
-        guard = self._watch.guard(threading.current_thread().name, self._replace)
-        while True:
-            try:
-                fd = self._queue.get(timeout=self.idle)
-            except queue.Empty:
-                with self._lock:
-                    if self.pending:
-                        continue
-                    # Idle: end; submit starts threads again.
-                    self._started -= 1
-                self._watch.forget(guard)
-                return
-            guard.closes += 1
-            guard.busy = True
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-            _collect_unix_garbage()
-            guard.busy = False
-            with self._lock:
-                self.pending -= 1
-                self.closed += 1
-                replaced = guard in self._replaced
-                if replaced:
-                    # A fresh thread took over while this one was stuck.
-                    self._replaced.discard(guard)
-                    self._started -= 1
-            if replaced:
-                self._watch.forget(guard)
-                return
-
-
-def _collect_unix_garbage() -> None:
-    """Close a throwaway Unix socket pair (see L{BackgroundCloser})."""
-    try:
-        left, right = _socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    except OSError:
-        return
-    left.close()
-    right.close()
 
 
 class PassedDescriptors:
@@ -357,7 +183,7 @@ class PassedDescriptors:
         @raise RuntimeError: C{native} is true and the helper is not built.
         """
         self.outOfBand = unix_out_of_band_supported() if outOfBand is None else outOfBand
-        self.closer = closer if closer is not None else BackgroundCloser()
+        self.closer = closer if closer is not None else BackgroundCloser(reactor=reactor)
         self.received = 0
         self.withoutRoom = 0
         #: Where L{release}'s peek lands: no bytes object per connection.
@@ -396,6 +222,7 @@ class PassedDescriptors:
         no guard behind.
         """
         self.closer.watch.forget(self.guard)
+        self.closer.stop()
 
     @property
     def descriptorLimit(self) -> int:

@@ -9,6 +9,17 @@ holds the most waiting connections, and no peer may hold more than a bound
 otherwise idle peer then keeps its slot for as long as any other peer holds
 two or more, and one process cannot take every slot.
 
+Before that rule, a connection whose connector has exited gives up its slot
+first: no request on it can ever be answered (the liveness check refuses a
+PID whose process is gone), and a PID is only a key while its process lives.
+An attacker that connects every socket from a fresh child that exits at
+once (C{clone(CLONE_VM | CLONE_FILES | CLONE_VFORK)}: tens of thousands a
+second from one process) never holds two connections under one PID; with
+those slots given up first, holding a slot costs it a process that stays
+alive (or an unreaped zombie, which keeps its PID and counts against the
+pod's C{pids} limit just the same).  L{Rotation} is the order in which
+waiting connections are asked, a bounded few at a time.
+
 The peer is the PID C{SO_PEERCRED} reports, read once when the connection
 is accepted (see L{hostpid.broker.waiting} for why the PID and not the UID
 or the cgroup).
@@ -107,3 +118,74 @@ class PeerQueues(Generic[T, P]):
             return None
         peer = next(iter(self._byCount[self._most]))
         return next(iter(self._items[peer])), peer
+
+
+class Rotation(Generic[T]):
+    """
+    Waiting items in the order they were added or last looked at: the
+    round on which connections are asked whether their connector still
+    exists (L{hostpid.broker.waiting.WaitingRoom}).  Looking at one moves it
+    to the back, so a bounded number of looks at a time still reaches every
+    item in turn, and one that was found alive is not asked again before all
+    the others have been.  Adding, removing and looking are each O(1).
+    """
+
+    def __init__(self) -> None:
+        self._items: OrderedDict[T, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, item: T) -> None:
+        """C{item} starts waiting: looked at after every item already here."""
+        self._items[item] = None
+
+    def remove(self, item: T) -> None:
+        """C{item} stops waiting (nothing if it was not here)."""
+        self._items.pop(item, None)
+
+    def next(self) -> T | None:
+        """
+        The item added or looked at longest ago, now moved to the back;
+        C{None} when nothing waits.
+        """
+        items = self._items
+        if not items:
+            return None
+        item = next(iter(items))
+        items.move_to_end(item)
+        return item
+
+
+class LookBackoff:
+    """
+    Whether to ask about connectors this time: after a round of looks that
+    found none gone, the next rounds are skipped, one, then two, four, ...
+    up to L{longest}; a round that finds one asks at every newcomer again.
+
+    The looks cost a few microseconds each (a pidfd made and closed), and a
+    flood from live processes that fills every slot would otherwise pay
+    them for every newcomer and find nothing; a PID spray finds one at
+    almost every look and is never skipped for long.  While skipped, the
+    fairness rule alone chooses, as it did before the looks.
+    """
+
+    def __init__(self, longest: int = 32) -> None:
+        self.longest = longest
+        self._wait = 0
+        self._skip = 0
+
+    def due(self) -> bool:
+        """Whether this newcomer's round of looks is to be made."""
+        if self._skip:
+            self._skip -= 1
+            return False
+        return True
+
+    def looked(self, found: bool) -> None:
+        """A round of looks was made, and found a gone connector or not."""
+        if found:
+            self._wait = self._skip = 0
+        else:
+            self._wait = min(self._wait * 2 or 1, self.longest)
+            self._skip = self._wait

@@ -45,7 +45,7 @@ from twisted.web.server import Request, Site
 import hostpid
 from hostpid import defaults
 from hostpid.broker.descriptors import DescriptorMode
-from hostpid.broker.port import PAUSE_CLOSER, PAUSE_RESOURCES
+from hostpid.broker.port import PAUSE_RESOURCES
 from hostpid.broker.server import LATENCY_BUCKETS, Outcome
 from hostpid.broker.service import BrokerService
 from hostpid.peercred import LivenessCheck
@@ -141,7 +141,7 @@ class BrokerCollector:
         passed = factory.passed if factory is not None else None
         yield self._gauge(
             "hostpid_broker_passed_descriptors_closing",
-            "Passed descriptors waiting for, or in, a close on the background closer's threads.",
+            "Passed descriptors waiting for, or in, a close by the disposer process.",
             passed.closer.pending if passed is not None else 0,
         )
         yield self._counter(
@@ -152,7 +152,8 @@ class BrokerCollector:
         )
         yield self._gauge(
             "hostpid_broker_closes_stuck",
-            "Broker threads inside a close that ignored interrupts for 2 s or more.",
+            "Disposer processes abandoned in a close that ignores signals and still alive, plus "
+            "broker threads inside such a close for 2 s or more.",
             passed.closer.stuck if passed is not None else 0,
         )
         yield self._counter(
@@ -164,11 +165,11 @@ class BrokerCollector:
         port = broker.port
         paused = GaugeMetricFamily(
             "hostpid_broker_accept_paused",
-            "1 while accepting is paused, by reason: closer (passed descriptors still closing "
-            "fill the background closer) or resources (EMFILE/ENFILE/ENOBUFS/ENOMEM).",
+            "1 while accepting is paused, by reason: resources (EMFILE/ENFILE/ENOBUFS/ENOMEM). "
+            "Passed descriptors never pause accepting.",
             labels=["reason"],
         )
-        for label, reason in (("closer", PAUSE_CLOSER), ("resources", PAUSE_RESOURCES)):
+        for label, reason in (("resources", PAUSE_RESOURCES),):
             paused.add_metric([label], int(port is not None and port.pauseReason == reason))
         yield paused
         resource_errors = broker.port.resourceErrors if broker.port is not None else 0

@@ -1,5 +1,6 @@
 """
-The broker's view of its mountpoint in the lock parent (issue 13 item 5).
+The broker's view of its mountpoint in the lock parent, which a root workload
+can remove or replace.
 
 A UID 0 workload without a user namespace owns C{/tmp/vgpulock/hostpid} as
 much as the broker does: it can C{rmdir} it (the kernel then detaches the

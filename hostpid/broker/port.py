@@ -43,7 +43,7 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from hostpid import defaults
+from hostpid import defaults, wire
 from hostpid.broker.connections import Connection
 from hostpid.broker.descriptors import (
     DescriptorMode,
@@ -60,6 +60,7 @@ from hostpid.broker.fsrules import (
 from hostpid.broker.handover import allow_descriptor_passing
 from hostpid.broker.server import BrokerFactory
 from hostpid.broker.waiting import WaitingRoom
+from hostpid.starttime import boottime_ns
 
 #: Accept errors that mean "out of a resource for now": back off and retry.
 RESOURCE_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
@@ -74,12 +75,20 @@ BACKOFF_MAX = 1.0
 #: sockets are served even under a flood.
 ACCEPTS_PER_TURN = 128
 
-#: While the background closer is saturated, how often to look again.
-CLOSER_RECHECK = 0.05
-
 #: Why accepting may pause (L{BrokerPort.pauseReason}).
-PAUSE_CLOSER = "passed descriptors still closing fill the background closer"
 PAUSE_RESOURCES = "out of descriptors or memory (accept fails with EMFILE/ENFILE/ENOBUFS/ENOMEM)"
+#: Where callers are checked by start time (no C{SO_PEERPIDFD}), how often
+#: the port puts a marker in its own backlog (L{BrokerPort._insertMarker}),
+#: so that the bound on when a connection was made stays recent, idle or
+#: flooded: a caller that started less than this (plus a clock tick) before
+#: connecting may be refused, and falls back.  See L{BrokerPort.emptyAt}.
+FLOOR_REFRESH = 0.01
+
+#: Backlog markers outstanding at most, and how long one is waited for
+#: (nanoseconds) before it is forgotten.
+MARKERS_OUTSTANDING = 64
+MARKER_LIFETIME_NS = 5 * 10**9
+
 #: A pause this long (seconds) is logged once and fails readiness.
 PAUSE_REPORTED_AFTER = 1.0
 
@@ -132,12 +141,19 @@ class BrokerPort(unix.Port):
         self._acceptsPerTurn = 1
         self._resume: IDelayedCall | None = None
         self.resourceErrors = 0
-        self.closerPauses = 0
         #: While accepting is paused: since when (on the reactor's clock), and why.
         self.pausedSince: float | None = None
         self.pauseReason: str | None = None
         self._pauseReported = False
         self._acceptOne: Callable[[], Connection] | None = None
+        #: The last moment (L{boottime_ns}) the backlog was seen empty: every
+        #: connection accepted since was made after it.  Read at the start of
+        #: an accept batch that ended finding nothing more (a moment before
+        #: the kernel's look, so never later than the truth).  The peer
+        #: identifier compares callers' start times with it where it must
+        #: (L{hostpid.peercred.PeerIdentifier.useConnectFloor}).
+        self.emptyAt = 0
+        self._floorRefresh: Any = None
 
     def startListening(self) -> None:
         """
@@ -149,8 +165,14 @@ class BrokerPort(unix.Port):
         be the socket just created, owned by us.
         """
         if self._handedListener is not None:
+            # A listener handed over (or passed by systemd) may hold
+            # connections made before this broker existed: no bound is known
+            # until the first backlog marker comes back (0: the strictest).
+            self.emptyAt = 0
             skt = self._adopt(self._handedListener)
         else:
+            # Before the listener exists: no connection can have been made earlier.
+            self.emptyAt = boottime_ns()
             skt = self._bind()
         try:
             refused = not self._receiveDescriptors and refuse_descriptor_passing(skt)
@@ -180,7 +202,89 @@ class BrokerPort(unix.Port):
         self.fileno = skt.fileno  # type: ignore[method-assign]
         # Bound to this listener on the first accept (it holds its number).
         self._acceptOne = None
+        self.factory.identifier.useConnectFloor(self._connectFloor)
         self.startReading()
+        self._startFloorRefresh()
+
+    def _connectFloor(self) -> int:
+        return self.emptyAt
+
+    def _startFloorRefresh(self) -> None:
+        """
+        While callers may be checked by start time, put a marker in the
+        backlog every L{FLOOR_REFRESH} (see L{emptyAt}); stops by itself once
+        the check in force needs no start time (C{SO_PEERPIDFD}).
+        """
+        from twisted.internet.task import LoopingCall
+
+        if self.factory.identifier.acceptClock is None:
+            return
+        self.factory.markerSeen = self._markerSeen
+        self._floorRefresh = LoopingCall(self._insertMarker)
+        self._floorRefresh.clock = self._clock
+        self._floorRefresh.start(FLOOR_REFRESH, now=False)
+
+    def _insertMarker(self) -> None:
+        """
+        Connect to our own listener and send 8 random bytes that are no
+        valid request, noting when (L{boottime_ns}, read before the
+        connect).  The backlog is first in, first out (C{unix_stream_connect}
+        queues each new connection at the tail of the listener's queue;
+        C{accept} takes the head), so every connection accepted after the
+        marker was made after that moment, however long the backlog stays
+        full: the moment becomes L{emptyAt} when the marker is accepted
+        (L{_markerSeen}).  An idle listener wakes for it, finds the backlog
+        empty after it, and so keeps L{emptyAt} recent too.
+
+        The bytes are random so that no client can pass for a marker (and
+        move the bound past connections made before it); a marker the
+        backlog cannot take (full) is not sent, and one that never comes
+        back is forgotten after L{MARKER_LIFETIME}.
+        """
+        factory = self.factory
+        if factory.identifier.acceptClock is None:
+            self._stopFloorRefresh()
+            return
+        if not self.connected:
+            return
+        now = boottime_ns()
+        markers = factory.markers
+        for nonce, made in list(markers.items()):
+            if now - made > MARKER_LIFETIME_NS:
+                del markers[nonce]
+        if len(markers) >= MARKERS_OUTSTANDING:
+            return
+        nonce = os.urandom(wire.REQUEST_SIZE)
+        while nonce.startswith(wire.MAGIC):
+            nonce = os.urandom(wire.REQUEST_SIZE)
+        path = descriptor_path(
+            self._directoryFd, os.path.dirname(self.path), defaults.SOCKET_NAME
+        )
+        try:
+            marker = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+        except OSError:
+            return
+        try:
+            made = boottime_ns()
+            marker.connect(path)
+            markers[nonce] = made
+            marker.send(nonce)
+        except OSError:
+            # The backlog is full (EAGAIN), or out of resources: no marker
+            # this time; L{emptyAt} stays where it is (only ever too early).
+            markers.pop(nonce, None)
+        finally:
+            marker.close()
+
+    def _markerSeen(self, made: int) -> None:
+        """A marker made at C{made} was accepted: see L{_insertMarker}."""
+        if made > self.emptyAt:
+            self.emptyAt = made
+
+    def _stopFloorRefresh(self) -> None:
+        if self._floorRefresh is not None and self._floorRefresh.running:
+            self._floorRefresh.stop()
+        self._floorRefresh = None
 
     def _bind(self) -> socket.socket:
         """A new socket bound at the path, born 0666, its identity recorded."""
@@ -261,9 +365,6 @@ class BrokerPort(unix.Port):
         second C{accept} that fails with EAGAIN.
         """
         factory = self.factory
-        if factory.passed is not None and factory.passed.closer.saturated:
-            self._waitForCloser()
-            return
         started = self._clock.seconds()
         try:
             self._acceptBatch(factory)
@@ -281,6 +382,8 @@ class BrokerPort(unix.Port):
         accept = self._acceptOne
         if accept is None:
             accept = self._acceptOne = factory.calls.acceptorFor(self.socket)
+        # One clock read a batch, and only where start times are compared.
+        started = boottime_ns() if factory.identifier.acceptClock is not None else 0
         admit = self.room.admit
         answerWaiting = factory.answerWaiting
         socketOf = factory.calls.socketOf
@@ -291,6 +394,8 @@ class BrokerPort(unix.Port):
                 conn = accept()
             except BlockingIOError:
                 self._acceptsPerTurn = max(1, accepted)
+                if started > self.emptyAt:
+                    self.emptyAt = started
                 if self.pausedSince is not None:
                     self._pauseEnded()
                 return
@@ -331,24 +436,6 @@ class BrokerPort(unix.Port):
         self.stopReading()
         self._resume = self._clock.callLater(self._backoff, self._resumeAccepting)
         self._backoff = min(self._backoff * 2, BACKOFF_MAX)
-
-    def _waitForCloser(self) -> None:
-        """
-        Every background closer thread is stuck on a descriptor some client
-        passed, and the queue is full: accept nothing until it drains, since
-        each new connection could bring more.  The reactor stays free.
-        """
-        self.closerPauses += 1
-        if self.closerPauses & (self.closerPauses - 1) == 0:
-            self.log.warn(
-                "hostpid-broker: {pending} passed descriptors still closing; not accepting "
-                "until the background closer catches up (pauses so far: {count})",
-                pending=self.factory.passed.closer.pending,  # type: ignore[union-attr]
-                count=self.closerPauses,
-            )
-        self._paused(PAUSE_CLOSER)
-        self.stopReading()
-        self._resume = self._clock.callLater(CLOSER_RECHECK, self._resumeAccepting)
 
     def _paused(self, reason: str) -> None:
         """Accepting is paused for C{reason}; say so once it lasts."""
@@ -409,6 +496,7 @@ class BrokerPort(unix.Port):
             self._resume.cancel()
         self._resume = None
         self._acceptOne = None
+        self._stopFloorRefresh()
         passed = self.factory.passed
         if passed is not None:
             # Its guard watches the reactor's closes of connections: forgotten

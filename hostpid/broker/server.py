@@ -55,6 +55,7 @@ class Outcome(enum.IntEnum):
     PEER_GONE = 6
     EVICTED = 7
     DESCRIPTORS = 8
+    CONNECTOR_GONE = 9
 
     @property
     def label(self) -> str:
@@ -71,10 +72,12 @@ _LABELS = {
     Outcome.PEER_GONE: "peer_gone",
     Outcome.EVICTED: "evicted",
     Outcome.DESCRIPTORS: "descriptors",
+    Outcome.CONNECTOR_GONE: "connector_gone",
 }
 
 
 _OK = Outcome.OK
+_INVALID = Outcome.INVALID
 _REQUEST = wire.GET_HOST_PID_REQUEST
 _REQUEST_SIZE = wire.REQUEST_SIZE
 _INVALID_REPLY = wire.INVALID_REQUEST_RESPONSE
@@ -208,6 +211,12 @@ class BrokerFactory(Factory):
         self._idle: list[Callable[[], None]] = []
         #: Answers given at accept (fast path) since the last L{observeAccepted}.
         self.answeredAtAccept = 0
+        #: The listening port's backlog markers (L{hostpid.broker.port}):
+        #: each one's 8 bytes, and the moment it was connected.  A marker is
+        #: not a transaction: it is recognized where an invalid request
+        #: would be answered, so valid requests pay nothing for it.
+        self.markers: dict[bytes, int] = {}
+        self.markerSeen: Callable[[int], None] | None = None
         #: Set by L{receiveDescriptors} where the kernel cannot refuse them.
         self.passed: PassedDescriptors | None = None
         #: What the port accepts, and what L{answerWaiting} is given.
@@ -298,6 +307,9 @@ class BrokerFactory(Factory):
             self.record(Outcome.SHORT)
             return None
         outcome, reply = answer(data[:_REQUEST_SIZE], sock, self.identifier, accepted)
+        if outcome is _INVALID and self.markers and self._isMarker(data):
+            self._close(sock)
+            return None
         if reply is not None:
             try:
                 self._send(sock, reply, _SEND_FLAGS)
@@ -312,6 +324,19 @@ class BrokerFactory(Factory):
         else:
             self.record(outcome)
         return None
+
+    def _isMarker(self, data: bytes) -> bool:
+        """
+        Whether C{data}, an invalid request, is one of the port's backlog
+        markers: if so, every connection accepted from now on was made after
+        that marker was, and the port is told (L{markerSeen}).
+        """
+        made = self.markers.pop(bytes(data[:_REQUEST_SIZE]), None)
+        if made is None:
+            return False
+        if self.markerSeen is not None:
+            self.markerSeen(made)
+        return True
 
     def observeAccepted(self, started: float) -> None:
         """
@@ -356,6 +381,9 @@ class BrokerFactory(Factory):
             self.record(Outcome.SHORT)
             return None
         outcome, reply = answer(data[:_REQUEST_SIZE], sock, self.identifier, accepted)
+        if outcome is _INVALID and self.markers and self._isMarker(data):
+            release(sock, None)
+            return None
         # The reply is sent by the release, in the same call to the C helper.
         if release(sock, reply):
             # Descriptors arrived after the request: the reply is already

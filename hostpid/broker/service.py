@@ -32,8 +32,9 @@ from twisted.python.failure import Failure
 
 from hostpid import defaults
 from hostpid.broker import activation, connections, disabled, fsrules, handover
+from hostpid.broker.closer import CLOSER_QUEUE
+from hostpid.broker.closewatch import INTERRUPTS_PER_CLOSE
 from hostpid.broker.descriptors import (
-    CLOSER_QUEUE,
     ROOM_MARGIN,
     SCM_MAX_FD,
     DescriptorMode,
@@ -621,9 +622,13 @@ class BrokerService(Service):
         watch = passed.closer.watch
         if watch.active:
             self.log.info(
-                "hostpid-broker: closes are bounded: a close still running after about "
-                "{bound:.0f} ms is interrupted (signal {signum})",
-                bound=2000 * watch.pollBusy, signum=int(watch.signum),
+                "hostpid-broker: closes are bounded: passed descriptors are closed by a "
+                "disposer process (lingering sockets disarmed, other closes interrupted within "
+                "a few ms, a disposer stuck in a close that ignores signals abandoned after "
+                "{stuck}s); the broker's own closes are interrupted after about {bound:.0f} ms "
+                "(signal {signum}, at most {most} times a close)",
+                stuck=passed.closer.stuckAfter, bound=2000 * watch.pollBusy,
+                signum=int(watch.signum), most=INTERRUPTS_PER_CLOSE,
             )
             if watch.sharedTable is not None:
                 self.log.warn(
@@ -633,8 +638,9 @@ class BrokerService(Service):
                 )
         else:
             self.log.warn(
-                "hostpid-broker: closes cannot be interrupted ({reason}): a passed descriptor "
-                "that lingers holds a closer thread for as long as it lingers",
+                "hostpid-broker: the broker's own closes cannot be interrupted ({reason}): "
+                "passed descriptors are still closed by a disposer process, but in-flight "
+                "garbage freed in the reactor thread (kernels before 6.10) is not bounded",
                 reason=watch.reason,
             )
         if not passed.hasRoom():
@@ -701,6 +707,9 @@ class BrokerService(Service):
         if not self.listening:
             return None
         self.mountpointWatch.check()
+        passed = self.factory.passed if self.factory is not None else None
+        if passed is not None:
+            passed.closer.watch.checkHandler()
         problem = self.socketPathProblem()
         if problem is not None:
             self._fail(problem)

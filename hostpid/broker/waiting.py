@@ -6,7 +6,7 @@ fast path, L{BrokerFactory.answerWaiting}, answers the others) is held here
 until its request is complete, it ends, its deadline passes, or it is
 evicted.  Under a reconnecting flood almost every connection the broker
 accepts is one of these, and the broker can only drain its listen backlog
-as fast as it can take them in and shed them: issue 19 measured about 80 us
+as fast as it can take them in and shed them: about 80 us was measured
 of CPU per such connection when each was a whole Twisted transport (built,
 registered, given a deadline, aborted with a new C{Failure}, closed on the
 next turn), against a few us in the C yardstick, and real clients starved in
@@ -37,8 +37,22 @@ L{WaitingRoom} admits them, by the rule of L{hostpid.broker.fairness}:
   - a peer already holding L{BrokerFactory.maxPerPeer} waiting connections
     has its newcomer closed at accept (outcome C{over_limit}): as cheap as
     the C yardstick's shedding, so one process cannot take every slot;
-  - when every slot is held, the oldest waiting connection of the peer
-    holding the most gives up its slot (outcome C{evicted}).  A connection
+  - when every slot is held, a newcomer whose connector has already exited
+    is closed at once, and otherwise a waiting connection whose connector
+    has exited gives up its slot (outcome C{connector_gone} for both): it
+    can never be answered, and without this rule an attacker connecting
+    each socket from a fresh child that exits at once holds every slot with
+    one process, no PID holding two.  Finding one costs the liveness check
+    (L{PeerIdentifier.connector_gone}: C{SO_PEERPIDFD} and one
+    C{pidfd_send_signal}, or C{pidfd_open} and the start time before Linux
+    6.5), asked only while every slot is held and of at most
+    L{GONE_CHECKS} waiting connections per newcomer, in the rotating order
+    of L{Rotation} so that each is reached in turn; after a round that
+    found none, the next rounds are skipped (L{LookBackoff}: 1, 2, 4, ...
+    up to 32 newcomers), so a flood from live processes pays for the looks
+    on about one newcomer in 33;
+  - failing that, the oldest waiting connection of the peer holding the
+    most gives up its slot (outcome C{evicted}).  A connection
     that was answered has already left (it closed when answered), so an
     answered connection is never evicted, and a late sender from an
     otherwise idle peer keeps its slot while any peer holds two or more.
@@ -63,7 +77,7 @@ from zope.interface import implementer
 
 from hostpid import wire
 from hostpid.broker.deadlines import ArrivalDeadlines
-from hostpid.broker.fairness import PeerQueues
+from hostpid.broker.fairness import LookBackoff, PeerQueues, Rotation
 from hostpid.broker.server import BrokerFactory, Outcome, answer
 
 _SOL_SOCKET = int(socket.SOL_SOCKET)
@@ -78,6 +92,14 @@ _READ = 256
 _OK = Outcome.OK
 _SHORT = Outcome.SHORT
 _OVER_LIMIT = Outcome.OVER_LIMIT
+_CONNECTOR_GONE = Outcome.CONNECTOR_GONE
+
+#: Waiting connections asked whether their connector still exists, at most,
+#: for one newcomer when every slot is held, before the fairness rule
+#: chooses.  Under a PID spray nearly every one is gone and the first look
+#: finds one; under a flood from live processes every look is wasted, and
+#: this bounds what that costs a newcomer (a few microseconds each).
+GONE_CHECKS = 4
 
 
 def peer_pid(sock: _socket.socket) -> int:
@@ -195,6 +217,7 @@ class WaitingConnection:
         self.finished = True
         room = self._room
         room.queues.remove(self, self.peer)
+        room.rotation.remove(self)
         room.deadlines.stop(self)
         room.reactor.removeReader(self)
         self.fd = -1
@@ -222,6 +245,10 @@ class WaitingRoom:
     @ivar queues: the waiting connections by peer.
     @ivar deadlines: every waiting connection's deadline, behind one delayed
         call.
+    @ivar rotation: the waiting connections in the order they are asked
+        whether their connector still exists.
+    @ivar backoff: when those questions are skipped (after rounds that
+        found nothing).
     """
 
     def __init__(
@@ -240,6 +267,8 @@ class WaitingRoom:
         self.reactor = reactor
         self._peerOf = peerOf
         self.queues: PeerQueues[WaitingConnection, int] = PeerQueues()
+        self.rotation: Rotation[WaitingConnection] = Rotation()
+        self.backoff = LookBackoff()
         self.deadlines: ArrivalDeadlines[WaitingConnection] = ArrivalDeadlines(
             reactor, factory.deadline, WaitingConnection.expire
         )
@@ -267,31 +296,58 @@ class WaitingRoom:
                 factory.passed.release(sock)
             factory.record(_OVER_LIMIT)
             return None
-        if factory.active >= factory.maxConnections:
-            victim = queues.victim()
-            if victim is None:
-                # Every slot is held by something that is not waiting: not
-                # reachable today (an answered connection leaves at once).
-                self._shed(sock)
-                return None
-            victim[0].finish(Outcome.EVICTED)
         # As the port accepts it: the accept time the liveness check without
         # SO_PEERPIDFD compares start times with.
         acceptClock = factory.identifier.acceptClock
-        connection = WaitingConnection(
-            self, sock, peer, prefix, acceptClock() if acceptClock is not None else 0
-        )
+        accepted = acceptClock() if acceptClock is not None else 0
+        if factory.active >= factory.maxConnections:
+            looking = self.backoff.due()
+            if looking and factory.identifier.connector_gone(sock, accepted):
+                # It could never be answered: it takes no one's slot.
+                self.backoff.looked(True)
+                self._shed(sock, _CONNECTOR_GONE)
+                return None
+            if not looking or not self._evictGone():
+                victim = queues.victim()
+                if victim is None:
+                    # Every slot is held by something that is not waiting: not
+                    # reachable today (an answered connection leaves at once).
+                    self._shed(sock)
+                    return None
+                victim[0].finish(Outcome.EVICTED)
+        connection = WaitingConnection(self, sock, peer, prefix, accepted)
         factory.transactionStarted()
         queues.add(connection, peer)
+        self.rotation.add(connection)
         connection.started = self.deadlines.start(connection)
         self.reactor.addReader(connection)
         return connection
 
-    def _shed(self, sock: _socket.socket) -> None:
+    def _evictGone(self) -> bool:
+        """
+        Ask up to L{GONE_CHECKS} waiting connections, in turn, whether their
+        connector has exited; close the first that has (outcome
+        C{connector_gone}).
+
+        @return: whether a slot was freed.
+        """
+        rotation = self.rotation
+        connectorGone = self.factory.identifier.connector_gone
+        for _ in range(min(GONE_CHECKS, len(rotation))):
+            connection = rotation.next()
+            assert connection is not None
+            if connectorGone(connection.socket, connection.accepted):
+                connection.finish(_CONNECTOR_GONE)
+                self.backoff.looked(True)
+                return True
+        self.backoff.looked(False)
+        return False
+
+    def _shed(self, sock: _socket.socket, outcome: Outcome = _OVER_LIMIT) -> None:
         factory = self.factory
         if factory.passed is not None:
             # Maybe part-read: its queue may hold descriptors.
             factory.passed.release(sock)
         else:
             sock.close()
-        factory.record(_OVER_LIMIT)
+        factory.record(outcome)

@@ -160,6 +160,7 @@ def probe(
     socket_path: str = defaults.BROKER_SOCKET,
     deadline: float = defaults.DEADLINE,
     environ: Mapping[str, str] | None = None,
+    trusted_uid: int = 0,
 ) -> ProbeReport:
     """
     The operator's check that a broker serves: one transaction from the host
@@ -172,10 +173,13 @@ def probe(
     PID namespace the listener must have a real PID).  The gate is not
     required either: it is a workload's decision whether to ask at all, and
     an operator checking a broker from the host has no reason to carry it in
-    the shell (issue 21).  It is read and reported (L{ProbeReport.gate}) as
+    the shell.  It is read and reported (L{ProbeReport.gate}) as
     information.  A workload's question is L{query_host_pid}, not this.
 
     @param environ: where to read the gate reported (default: C{os.environ}).
+    @param trusted_uid: the UID that must own the directory and the socket
+        and run the listener: 0 for the production broker, another for a
+        broker run unprivileged on its own C{--directory}.
 
     @raise HostPidUnavailable: a check or stage failed, or the broker
         answered another PID (check C{reply}).
@@ -183,7 +187,7 @@ def probe(
     """
     check_deadline("deadline", deadline)
     policy = Requirements(
-        os.fspath(socket_path), trusted_uid=0, deadline=deadline,
+        os.fspath(socket_path), trusted_uid=trusted_uid, deadline=deadline,
         turned_off=frozenset({READ_ONLY_MOUNT}),
     )
     gate = check_gate(environ)

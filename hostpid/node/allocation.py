@@ -21,12 +21,12 @@ The rules, in the order they apply (see C{docs/allocation.md} for why):
     enabled exactly one read-only broker mount right after it, with the
     environment key set to C{"1"}.
  4. Every mount whose host path is the broker directory or inside it is
-    removed too, whatever its container path (issue 13): a writable second
+    removed too, whatever its container path: a writable second
     view of the broker directory would let a workload replace C{broker.sock}.
     Host paths are compared by spelling here; L{hostpid.node.hostpaths}
     adds identity (C{stat}) where the path exists, injected through
     L{IHostPaths}, so this module stays pure.
- 5. Order (issue 13): every ancestor of the lock parent (C{/}, C{/tmp}),
+ 5. Order: every ancestor of the lock parent (C{/}, C{/tmp}),
     then the lock parent, then the broker mount, then every mount inside
     the lock parent, each group keeping its relative order; a runtime that
     applies mounts in order then never covers one of ours, nor a lock file

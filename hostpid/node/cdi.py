@@ -408,7 +408,8 @@ def patch_response_cdi(
 
     Mounts whose host path is the broker directory (judged by C{host_paths},
     by default by spelling against the default directory) are removed too,
-    as L{hostpid.node.allocation.patch_response} removes them (issue 13).
+    as L{hostpid.node.allocation.patch_response} removes them (a writable
+    second view of the broker directory would let a workload replace its socket).
 
     As L{hostpid.node.allocation.patch_response}: the reserved key is
     cleared from C{envs} and every mount at a reserved path is removed.  Then

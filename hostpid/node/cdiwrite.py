@@ -316,7 +316,7 @@ def publish_spec(
     lock parent (and, with the broker enabled, its broker mountpoint) by the
     same code as C{hostpid allocate}, since a CDI runtime creates no host
     path; build and check the spec; write it.  With C{directory=None} the
-    spec is only rendered (C{hostpid cdi --dir -}).
+    spec is only rendered (C{hostpid cdi --cdi-dir -}).
 
     @raise cdi.CdiSpecError: a version or path the spec cannot carry.
     @raise hostpid.node.lockparent.LockParentError: an unsafe lock parent.

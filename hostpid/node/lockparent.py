@@ -16,7 +16,7 @@ other unless sticky: otherwise someone other than root could rename a
 component of the path away and put their own tree in its place.  C{/} and
 C{/tmp} pass; a lock parent below a user-writable directory does not.
 
-The broker mountpoint (issue 9): when the broker is enabled, the container
+The broker mountpoint: when the broker is enabled, the container
 runtime needs C{<lock parent>/hostpid} as the mountpoint of the read-only
 broker mount.  If the runtime creates it lazily, any workload can create that
 name first: a regular file makes every later broker-enabled container fail to
@@ -25,7 +25,7 @@ victim's own choosing inside the container, and a workload-owned directory can
 later be swapped for either.  So preparation owns the entry: it must be a
 directory owned by the trusted UID with mode 0755.
 
-Issue 13: removing a planted entry and then creating ours leaves the name free
+Why not remove and re-create: removing a planted entry and then creating ours leaves the name free
 for a moment, and a workload that re-creates its entry in a loop wins that
 moment every time.  So the broker's directory is finished under a random name
 first and put in place atomically with C{renameat2} (L{renameat}): the name is

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import os
 
-import attrs
 from twisted.internet import reactor, threads
 from twisted.internet.defer import Deferred
 from twisted.internet.task import deferLater
 from twisted.trial.unittest import TestCase
 
 import hostpid
-from hostpid.testing import FakeBroker
+from hostpid.testing import Close, Delay, FakeBroker, Reply, Silent
 
 
 def describe_pid(policy: hostpid.TrustPolicy, environ: dict[str, str]) -> str:
@@ -56,11 +55,24 @@ class BlockingClientTests(TestCase):
             self.assertEqual(caught.exception.check, "reply")
 
     def test_silent_broker(self) -> None:
-        with FakeBroker(silent=True) as broker:
-            policy = attrs.evolve(broker.policy, deadline=0.2)
+        with FakeBroker(silent=True, deadline=0.2) as broker:
             with self.assertRaises(hostpid.HostPidUnavailable) as caught:
-                hostpid.query_host_pid(policy, self.environ)
+                hostpid.query_host_pid(broker.policy, self.environ)
             self.assertEqual(caught.exception.check, "deadline")
+
+    def test_a_script_of_brokers(self) -> None:
+        """A slow broker, one that hangs up, one that never answers, then a good one."""
+        script = [Delay(0.1, then=Reply(pid=41)), Close(), Silent(), Reply(pid=42)]
+        with FakeBroker(script=script, deadline=0.3) as broker:
+            answers = [describe_pid(broker.policy, self.environ) for _ in range(4)]
+            self.assertEqual(answers, ["host pid 41", "fallback", "fallback", "host pid 42"])
+            self.assertEqual((broker.remaining, broker.unscripted), ((), 0))
+
+    def test_a_broker_restart(self) -> None:
+        with FakeBroker(script=[Reply(pid=43), Reply(pid=44)]) as broker:
+            self.assertEqual(describe_pid(broker.policy, self.environ), "host pid 43")
+            broker.restart()
+            self.assertEqual(describe_pid(broker.policy, self.environ), "host pid 44")
 
     def test_gate_off(self) -> None:
         with FakeBroker() as broker:
@@ -105,8 +117,16 @@ class TwistedClientTests(TestCase):
         self.assertEqual(pid, 7)
 
     async def test_silent_broker(self) -> None:
-        with FakeBroker(silent=True) as broker:
-            policy = attrs.evolve(broker.policy, deadline=0.2)
+        with FakeBroker(silent=True, deadline=0.2) as broker:
             with self.assertRaises(hostpid.HostPidUnavailable) as caught:
-                await hostpid.query_host_pid_deferred(policy, self.environ)
+                await hostpid.query_host_pid_deferred(broker.policy, self.environ)
         self.assertEqual(caught.exception.check, "deadline")
+
+    async def test_a_script_and_a_restart(self) -> None:
+        script = [Delay(0.1, then=Reply(pid=45)), Close(), Reply(pid=46)]
+        with FakeBroker(script=script) as broker:
+            first = await describe_pid_deferred(broker.policy, self.environ)
+            second = await describe_pid_deferred(broker.policy, self.environ)
+            broker.restart()
+            third = await describe_pid_deferred(broker.policy, self.environ)
+        self.assertEqual([first, second, third], ["host pid 45", "fallback", "host pid 46"])

@@ -1,6 +1,6 @@
 """
 Podman start-to-exit time with the CDI device against the same edits given
-as raw C{-v} mounts and C{-e} (issue 14's measurement; not a test).
+as raw C{-v} mounts and C{-e} (what CDI costs at container start; not a test).
 
 Run as root from the repository root:
 

@@ -1,6 +1,6 @@
 """
-The annotation form of C{hostpid allocate --cdi --cdi-annotations} (issue 14
-item 3) against the CDI project's own Go library, the code containerd and
+The annotation form of C{hostpid allocate --cdi --cdi-annotations} against
+the CDI project's own Go library, the code containerd and
 CRI-O run for a kubelet older than 1.29: Debian's source of it (the package
 that also ships the JSON schema), built here in GOPATH mode into a small
 program (C{cdigo/main.go}).

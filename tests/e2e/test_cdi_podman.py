@@ -1,5 +1,5 @@
 """
-End to end with a real CDI consumer (issue 14): Debian's podman 4.3 with
+End to end with a real CDI consumer: Debian's podman 4.3 with
 runc applies the spec that C{hostpid cdi} (or the broker's C{--cdi-dir})
 wrote, and a container naming C{hami.io/hostpid=broker} gets its host PID.
 

@@ -1,5 +1,5 @@
 """
-Issue 20: one end-to-end test per compatibility cell, with the real runtime.
+One end-to-end test per compatibility cell, with the real runtime.
 
 Each container gets what C{hostpid allocate} returns (the writable lock
 parent and the read-only broker mount at C{/tmp/vgpulock/hostpid}) from a

@@ -416,7 +416,7 @@ def test_ancestor_mount_listed_last_is_moved_before_them(runtime: Runtime, node:
 def test_planted_mountpoint_repaired_by_the_next_allocation(runtime: Runtime,
                                                             node: Node) -> None:
     """
-    Issue 9: a UID 1000 workload plants a regular file at the broker
+    A UID 1000 workload plants a regular file at the broker
     mountpoint through its writable C{/tmp/vgpulock}.  Without repair the
     next broker-enabled container cannot even start; the next allocation
     repairs it and the next container gets its host PID.
@@ -427,7 +427,7 @@ def test_planted_mountpoint_repaired_by_the_next_allocation(runtime: Runtime,
         off_mounts, off_envs, _ = allocate(node, "0")
         assert not (node.lock_parent / "hostpid").exists()
         plant = runtime.run(
-            "issue 9: uid 1000 plants a file", off_mounts, off_envs, WORKLOAD_UID,
+            "planted mountpoint: uid 1000 plants a file", off_mounts, off_envs, WORKLOAD_UID,
             ["/bin/sh", "-c", ": > /tmp/vgpulock/hostpid && echo planted"],
         )
         assert plant.exit_code == 0, plant.stderr
@@ -439,7 +439,7 @@ def test_planted_mountpoint_repaired_by_the_next_allocation(runtime: Runtime,
         from hostpid.node.allocation import canonical_mounts
 
         unrepaired = runtime.run(
-            "issue 9: planted file, no repair",
+            "planted mountpoint: no repair",
             canonical_mounts(True, str(node.lock_parent), str(node.broker_dir)),
             {GATE_ENV: "1"}, WORKLOAD_UID,
         )
@@ -451,14 +451,14 @@ def test_planted_mountpoint_repaired_by_the_next_allocation(runtime: Runtime,
         assert "found a regular file owned by UID 1000" in stderr
         repaired = os.lstat(node.lock_parent / "hostpid")
         assert (repaired.st_uid, repaired.st_mode) == (0, 0o040755)
-        run = runtime.run("issue 9: after repair", mounts, envs, WORKLOAD_UID)
+        run = runtime.run("planted mountpoint: after repair", mounts, envs, WORKLOAD_UID)
     assert_host_pid_answered(run)
 
 
 def test_lock_file_inside_the_parent_listed_before_tmp(runtime: Runtime, node: Node,
                                                        tmp_path: Path) -> None:
     """
-    Issue 13 item 4: a legacy lock file mounted inside the lock parent, listed
+    Mount order: a legacy lock file mounted inside the lock parent, listed
     before the plugin's own C{/tmp} mount.  Patched, it comes after C{/tmp},
     the parent and the broker mount, and the container sees it; in the old
     order (it stayed before the parent) C{/tmp} and the parent hide it.
@@ -492,7 +492,7 @@ def test_lock_file_inside_the_parent_listed_before_tmp(runtime: Runtime, node: N
 def test_broker_directory_under_another_name_is_not_mounted(runtime: Runtime, node: Node,
                                                             tmp_path: Path) -> None:
     """
-    Issue 13 item 4: a writable mount of the broker directory at another
+    Host paths by identity: a writable mount of the broker directory at another
     container path, through a symlinked alias of its host path.  Kept (the
     old code kept it), a root workload writes into the broker directory,
     where it could replace C{broker.sock}; patched, the mount is gone.
@@ -558,7 +558,7 @@ RMDIR = ["/bin/sh", "-c",
 def test_root_workload_rmdir_of_the_mountpoint(runtime: Runtime, node: Node,
                                                host_mount: bool, rbind: bool) -> None:
     """
-    Issue 13 item 5, measured: a UID 0 workload (no user namespace, no
+    Measured: a UID 0 workload (no user namespace, no
     capability but CAP_KILL) whose allocation has no broker mount removes
     C{/tmp/vgpulock/hostpid}; the broker mount of a running container on that
     mountpoint is detached.  With a host-side read-only bind of the broker

@@ -104,11 +104,15 @@ def run(case: str, listener: socket.socket, client: int) -> None:
     checks: dict[str, object] = {}
     for check in LivenessCheck:
         identifier = PeerIdentifier(check=None if check is LivenessCheck.PEERPIDFD else check)
+        # The reuse here is chosen with ns_last_pid (root), not made by
+        # cycling the PID space as a tenant must: no allowance for a cycle.
+        identifier.pidCycleNs = 0
         checks[check.value] = verdict(identifier, connection, accepted)
         if check is LivenessCheck.PEERPIDFD:
             checks["peerpidfd_in_force"] = identifier.check is LivenessCheck.PEERPIDFD
     without = PeerIdentifier(check=LivenessCheck.PIDFD_OPEN)
     without.startTimes = False
+    without.pidCycleNs = 0
     checks["pidfd_open_without_start_time"] = verdict(without, connection, accepted)
     print(json.dumps({"reused_pid": client, "checks": checks}), flush=True)
     os.close(stop)

@@ -93,7 +93,7 @@ def _modest_descriptor_limit() -> None:
 def test_a_full_descriptor_table_does_not_freeze_the_broker(public_tmp: Path) -> None:
     require_root()
     # The attacker's connections are all one process's: no bound per peer
-    # (issue 19), or all but its share would be closed at accept, and the
+    # (the fairness rule between peers), or all but its share would be closed at accept, and the
     # table is what this test is about.
     with running_broker(
         public_tmp / "broker", "--max-waiting-per-peer", "1000",

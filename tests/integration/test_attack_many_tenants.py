@@ -1,5 +1,5 @@
 """
-Issue 19, item 1: several tenants flood the broker at once.
+Several tenants flood the broker at once.
 
 Four real UID 1000 processes, spread over the machine's cores, each keep
 2,500 idle connections to the broker's socket and reconnect as soon as one
@@ -10,10 +10,10 @@ with a 1 -> 10 ms backoff on C{EAGAIN}, one 8-byte write, one 0.5 s deadline
 over everything, each its own process) ask for their PID.  The broker runs
 with its production limits (512 slots, backlog 1024, deadline 0.5 s).
 
-Before issue 19 every attacker connection cost the broker a whole Twisted
+Before the waiting room of raw sockets every attacker connection cost the broker a whole Twisted
 transport and could hold a slot until evicted; the backlog stayed full of
 attackers and about half the real clients ran out of time waiting in it
-(issue 19 measured 24, 24, 26 and 20 of 40 answered, the C yardstick 40 of
+(one measurement: 24, 24, 26 and 20 of 40 answered, the C yardstick 40 of
 40; this test on that code: 112 of 200, p50 392 ms).  Now a waiting
 connection is a raw socket with a minimal reader, and a peer beyond its
 share of the slots is closed at accept: at least 99 % must be answered

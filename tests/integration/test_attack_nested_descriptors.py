@@ -1,7 +1,7 @@
 """
-Issue 18, item 1: a lingering socket nested inside a passed Unix socket.
+A lingering socket nested inside a passed Unix socket.
 
-The earlier fix (issue 12) met a lingering TCP socket passed directly: it is
+The earlier fix met a lingering TCP socket passed directly: it is
 an Internet socket, so the broker resets its linger and closes it at once.
 Nested one level down it is out of reach: a real UID 1000 attacker makes a
 Unix socket pair, sends the lingering TCP socket into one end's receive
@@ -86,10 +86,8 @@ def test_nested_lingering_sockets_do_not_stop_reads(public_tmp: Path, how: str) 
             # Then clients keep coming, as a node's workloads do, each
             # bounded; before the fix none was answered from here on.
             each_answered(broker.socket_path, 20, CLIENT_BOUND)
-            if how != "garbage":
-                # The outer sockets' closes were interrupted, not left to
-                # linger.  (Garbage is freed by the kernel's collector, which
-                # runs in a kernel worker from Linux 6.10 on: then no broker
-                # thread waits at all.)
-                wait_for(lambda: "closes interrupted" in broker.output(),
-                         "the broker to say it interrupted lingering closes")
+            # The outer sockets went to the disposer, which closed them
+            # while the attacker (the lingering sockets' peers) still lives:
+            # disarmed or interrupted, never left to linger.
+            wait_for(lambda: "passed descriptors closed by the disposer" in broker.output(),
+                     "the broker to say the disposer closed them")

@@ -1,5 +1,5 @@
 """
-Issue 12, items 2 and 3: descriptors passed to the broker with C{SCM_RIGHTS}.
+Descriptors passed to the broker with C{SCM_RIGHTS}.
 
 Item 2: a workload passes a TCP socket with C{SO_LINGER {1, 30}} and a full
 send queue (to its own loopback listener, which never reads), then closes
@@ -182,7 +182,8 @@ def test_descriptor_messages_do_not_flood_the_log(public_tmp: Path, mode: str) -
     1,000 connections x 7 one-byte messages, each with a descriptor: < 30 log
     lines.  All from this process, with no bound per peer
     (C{--max-waiting-per-peer} above the limit), so that they are read and
-    counted as descriptors rather than closed at accept (issue 19).
+    counted as descriptors rather than closed at accept by the fairness
+    rule between peers.
     """
     with running_broker(public_tmp / "broker", "--max-waiting-per-peer", "100000",
                         env=_broker_env(mode)) as broker:

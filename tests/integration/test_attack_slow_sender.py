@@ -1,5 +1,5 @@
 """
-Issue 12, item 1: silent connections hold every slot, and a real client
+Silent connections hold every slot, and a real client
 leaves a 1 ms gap between C{connect()} and C{send()}.
 
 Before the eviction rule the broker accepted such a client while every slot
@@ -59,7 +59,8 @@ def test_slow_senders_are_answered_while_silent_connections_hold_every_slot(
     """
     C{unbounded}: the attacker may hold every slot (C{--max-waiting-per-peer}
     above the limit), and the slow senders get theirs by eviction.
-    C{default}: the attacker holds at most its share (issue 19), and the rest
+    C{default}: the attacker holds at most its share (the fairness rule
+    between peers), and the rest
     of the slots stay free.
     """
     require_root()

@@ -1,5 +1,5 @@
 """
-The filesystem rules of issue 12 item 5, each attacked for real: a UID 1000
+The filesystem rules for the broker directory's ancestors, each attacked for real: a UID 1000
 process that owns the broker directory's parent swaps the directory for a
 symlink while root starts brokers; ancestors owned by or writable to
 another user; a hard-linked lock; a read-only filesystem; a socket path too
@@ -138,7 +138,7 @@ def test_swapping_the_directory_for_a_symlink_never_puts_a_socket_elsewhere(
     public_tmp: Path,
 ) -> None:
     """
-    The attack of issue 12: the broker directory's parent belongs to UID
+    The attack: the broker directory's parent belongs to UID
     1000, who swaps the (root-owned) directory with a symlink to a root-only
     directory as fast as it can while root starts and stops brokers.  Root
     must never create anything in the root-only directory.  (The broker now

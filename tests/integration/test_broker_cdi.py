@@ -1,5 +1,5 @@
 """
-The broker keeps the CDI spec present (issue 14 item 4): C{twistd
+The broker keeps the CDI spec present: C{twistd
 hostpid-broker --cdi-dir DIR --lock-parent PATH} prepares the lock parent
 and writes the spec at startup, following its own gate; a failure is a
 startup refusal (one line naming the path and the rule, no socket).

@@ -299,7 +299,7 @@ def test_descriptor_limit_below_need_is_reported_and_served_within(
     directory: Path, mode: str
 ) -> None:
     """
-    Issue 18 item 5: with RLIMIT_NOFILE 128 a broker in mode received never
+    With RLIMIT_NOFILE 128 a broker in mode received never
     has room for a full SCM_RIGHTS message; it used to read nothing and
     reset every connection.  Now it reads by peeking first, and answers,
     in both modes; a client that passes a descriptor still gets no PID.

@@ -165,7 +165,8 @@ def test_full_slots_evict_the_oldest_and_broker_recovers(public_tmp: Path) -> No
     With the limit at 4 and 4 silent clients holding every slot, a fifth that
     has not sent its request when accepted takes the slot of the oldest, which
     is closed at once with no reply; the fifth then sends and is answered.
-    (The rule before issue 12 closed the fifth instead.)  Once the silent
+    (The rule before eviction closed the fifth instead, so silent
+    connections could keep every real client out.)  Once the silent
     ones go, the broker serves as before.  All five are this process's,
     with no bound of their own (C{--max-waiting-per-peer} above the limit): the rule between peers
     is tested in C{test_waiting.py} and C{test_attack_many_tenants.py}.

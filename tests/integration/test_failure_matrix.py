@@ -171,7 +171,7 @@ def test_saturated_broker_still_answers_requests_already_waiting(directory: Path
     their request while the broker is busy (here: stopped); when it gets to
     them, their request is waiting and is answered without a slot.  A silent
     newcomer takes the oldest silent connection's slot, and that one is
-    closed with no reply (before issue 12 the newcomer was closed instead).
+    closed with no reply (before eviction the newcomer was closed instead).
     The silent ones are this process's, with no bound per peer
     (C{--max-waiting-per-peer}).
     """

@@ -1,5 +1,5 @@
 """
-Issue 19 item 3: no tenant flood on a port it can reach may get the broker
+No tenant flood on a port it can reach may get the broker
 restarted.  The shipped liveness check, run the way the kubelet runs it,
 must pass while real UID 1000 processes flood the broker's metrics port.
 

@@ -3,7 +3,7 @@ The metrics server under attack, on a real broker process with C{--metrics}
 on a real TCP port: it runs in the broker's process and reactor, so nothing a
 metrics client does may cost a workload its answer.
 
-Each test reproduces an attack of issue 12 item 4 and fails on the code
+Each test reproduces an attack on the metrics server and fails on the code
 before the fix: 1,100 idle connections took every descriptor of a broker
 limited to 1,024 (no workload was answered while they were held); a POST
 announcing a large body made twisted.web buffer it in a deleted temporary
@@ -33,7 +33,7 @@ from support import (
 )
 
 #: The broker's soft descriptor limit in these tests: the common default,
-#: and what the attack of issue 12 exhausted.
+#: and what the idle-connection attack exhausted.
 BROKER_NOFILE = 1024
 FLOOD = 1100
 #: The documented cap (docs/operations.md; hostpid.defaults.METRICS_MAX_CONNECTIONS).

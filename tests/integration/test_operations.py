@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 from collections.abc import AsyncIterator
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -143,7 +144,7 @@ async def test_active_connections_gauge_counts_a_silent_client(running: Running)
 
 @pytest_twisted.ensureDeferred
 async def test_evicted_outcome_is_counted(running: Running) -> None:
-    """Every slot held by a silent client: the next one evicts the oldest (issue 12)."""
+    """Every slot held by a silent client: the next one evicts the oldest."""
     limit = running.broker.factory.maxConnections
     running.broker.factory.maxConnections = 2
     socks = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(3)]
@@ -278,23 +279,172 @@ def test_sd_notify_ready_then_stopping(tmp_path: Path, abstract: bool, gate: str
             assert broker.wait_exit() == -signal.SIGTERM
 
 
-def test_json_lines_logger(tmp_path: Path) -> None:
+LEVELS = {"debug", "info", "warn", "error", "critical"}
+
+
+def json_lines(text: str) -> list[dict[str, object]]:
+    """
+    Every line of C{text} as a log record, failing on the first line that
+    is not one: a JSON object with an RFC 3339 UTC C{time}, a Twisted level,
+    a C{logger}, a C{message} string, and none of Twisted's private C{log_*}
+    keys.
+    """
+    records = []
+    for number, line in enumerate(text.splitlines(), 1):
+        record = json.loads(line)
+        assert isinstance(record, dict), (number, line)
+        moment = datetime.fromisoformat(str(record["time"]))
+        assert moment.utcoffset() == timedelta(0), (number, line)
+        assert str(record["time"]).endswith("Z"), (number, line)
+        assert record["level"] in LEVELS, (number, line)
+        assert isinstance(record["logger"], str) and record["logger"], (number, line)
+        assert isinstance(record["message"], str), (number, line)
+        assert not [key for key in record if key.startswith("log_")], (number, line)
+        records.append(record)
+    return records
+
+
+def run_json_broker(
+    tmp_path: Path, *args: str, gate: str = "1", twistd_args: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    """A real C{twistd hostpid-broker --log-format json}: stdout and stderr apart."""
+    stdout, stderr = tmp_path / "stdout", tmp_path / "stderr"
+    with stdout.open("wb") as out, stderr.open("wb") as err:
+        process = subprocess.Popen(
+            [*TWISTD, "--nodaemon", "--pidfile=", *twistd_args, "hostpid-broker",
+             "--log-format", "json", *args],
+            env=subprocess_env(LIBVGPU_HOSTPID_BROKER=gate), stdin=subprocess.DEVNULL,
+            stdout=out, stderr=err, cwd=tmp_path,
+        )
+    return process, stdout, stderr
+
+
+def test_json_logs_every_line_from_start_to_stop(tmp_path: Path) -> None:
+    """
+    C{--log-format json}: every line the broker writes, through twistd's
+    start-up, serving, refusals (an invalid request, a client that never
+    sends one) and SIGTERM, is one record a collector can parse, and the
+    broker's structured fields ride along.
+    """
+    directory = tmp_path / "broker"
+    socket_path = directory / "broker.sock"
+    process, stdout, stderr = run_json_broker(tmp_path, "--directory", str(directory))
+    try:
+        wait_for(lambda: process.poll() is not None or ask_pid(socket_path) == os.getpid(),
+                 "the broker")
+        assert process.poll() is None, stdout.read_text() + stderr.read_text()
+        invalid = exchange(socket_path, b"XXXX" + wire.GET_HOST_PID_REQUEST[4:])
+        assert wire.parse_response(invalid).status == wire.Status.INVALID_REQUEST
+        with socket.socket(socket.AF_UNIX) as silent:  # no request: closed at the deadline
+            silent.settimeout(30)
+            silent.connect(str(socket_path))
+            assert silent.recv(16) == b""
+        wait_for(lambda: "deadline transactions so far" in stdout.read_text(),
+                 "the deadline refusal's record")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == -signal.SIGTERM
+    finally:
+        process.kill()
+        process.wait()
+    records = json_lines(stdout.read_text())
+    assert stderr.read_text() == ""
+    by_message = {str(record["message"]): record for record in records}
+    listening = [r for m, r in by_message.items() if m.startswith("hostpid-broker: listening on")]
+    assert len(listening) == 1
+    assert listening[0]["path"] == str(socket_path)
+    assert listening[0]["maxConnections"] == 512
+    assert listening[0]["logger"] == "hostpid.broker.service.BrokerService"
+    invalid_record = by_message["hostpid-broker: invalid transactions so far: 1"]
+    assert (invalid_record["level"], invalid_record["outcome"], invalid_record["count"]) == \
+        ("warn", "invalid", 1)
+    assert "hostpid-broker: deadline transactions so far: 1" in by_message
+    assert any(m.startswith("twistd ") and m.endswith("starting up.") for m in by_message)
+    assert f"hostpid-broker: socket removed: {socket_path}" in by_message
+    assert any("Received SIGTERM" in m for m in by_message), list(by_message)
+
+
+def test_json_logs_a_refused_start(tmp_path: Path) -> None:
+    """
+    A refused start stays one plain line on standard error (what systemctl
+    status and kubectl describe show); its record in the log is JSON, with
+    the path and the rule as fields.
+    """
+    planted = tmp_path / "not-a-directory"
+    planted.write_text("")
+    process, stdout, stderr = run_json_broker(tmp_path, "--directory", str(planted))
+    try:
+        assert process.wait(timeout=60) == 1
+    finally:
+        process.kill()
+        process.wait()
+    (line,) = stderr.read_text().splitlines()
+    assert line.startswith(f"hostpid-broker: cannot start: {planted}: ")
+    records = json_lines(stdout.read_text())
+    (refused,) = [r for r in records if r["message"] == line]
+    assert refused["level"] == "error"
+    assert refused["path"] == str(planted)
+    assert refused["rule"] == line.split(f"{planted}: ", 1)[1]
+
+
+def test_json_logs_go_to_twistds_logfile(tmp_path: Path) -> None:
+    """C{--logfile}: the records go where twistd would write its text log."""
+    logfile = tmp_path / "broker.log"
+    process, stdout, stderr = run_json_broker(
+        tmp_path, "--directory", str(tmp_path / "broker"), gate="0",
+        twistd_args=("--logfile", str(logfile)))
+    try:
+        wait_for(lambda: logfile.exists() and "disabled" in logfile.read_text(),
+                 "the disabled broker's record")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == -signal.SIGTERM
+    finally:
+        process.kill()
+        process.wait()
+    assert (stdout.read_text(), stderr.read_text()) == ("", "")
+    records = json_lines(logfile.read_text())
+    assert any(str(r["message"]).startswith("hostpid-broker: disabled") for r in records)
+
+
+@pytest.mark.parametrize("twistd_args, args, line", [
+    ((), ("--log-format", "yaml"),
+     "hostpid-broker: cannot start: --log-format: must be one of text, json, got 'yaml'"),
+    (("--logfile", "/nonexistent/broker.log"), ("--log-format", "json"),
+     "hostpid-broker: cannot start: /nonexistent/broker.log: cannot open the log file "
+     "(--logfile): No such file or directory"),
+    (("--syslog",), ("--log-format", "json"),
+     "hostpid-broker: cannot start: --log-format json: writes JSON lines to twistd's log file "
+     "or standard output; it cannot be combined with twistd --syslog (use --log-format text "
+     "there)"),
+])
+def test_log_format_refuses_what_it_cannot_write(
+    tmp_path: Path, twistd_args: tuple[str, ...], args: tuple[str, ...], line: str
+) -> None:
+    done = subprocess.run(
+        [*TWISTD, "--nodaemon", "--pidfile=", *twistd_args, "hostpid-broker", "--directory",
+         str(tmp_path / "broker"), *args],
+        env=subprocess_env(), capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [line]
+
+
+def test_json_lines_logger_for_other_twistd_runs(tmp_path: Path) -> None:
+    """C{twistd --logger hostpid.logs.json_lines}: the same records."""
     directory = tmp_path / "broker"
     process = subprocess.Popen(
         [*TWISTD, "--nodaemon", "--pidfile=", "--logger", "hostpid.logs.json_lines",
          "hostpid-broker", "--directory", str(directory)],
         env=subprocess_env(LIBVGPU_HOSTPID_BROKER="1"),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
         wait_for(lambda: ask_pid(directory / "broker.sock") == os.getpid(), "the broker")
         process.send_signal(signal.SIGTERM)
-        output, _ = process.communicate(timeout=30)
+        output, errors = process.communicate(timeout=30)
     finally:
         process.kill()
-    events = [json.loads(line) for line in output.splitlines() if line.strip()]
-    listening = [e for e in events if "listening on" in e.get("log_format", "")]
+        process.communicate()
+    assert errors == ""
+    records = json_lines(output)
+    listening = [r for r in records if str(r["message"]).startswith("hostpid-broker: listening")]
     assert len(listening) == 1
     assert listening[0]["path"] == str(directory / "broker.sock")
-    assert listening[0]["maxConnections"] == 512
-    assert any("socket removed" in e.get("log_format", "") for e in events)

@@ -1,5 +1,5 @@
 """
-Issue 20, C{peer-pid}, for real in private PID namespaces: from a private
+The C{peer-pid} check, for real in private PID namespaces: from a private
 PID namespace the host's broker shows as PID 0, and anything else is
 refused.
 

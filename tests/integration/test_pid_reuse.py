@@ -3,7 +3,7 @@ A caller's PID given to another process before the broker looks: what each
 liveness check answers, with a real PID reuse (C{ns_last_pid} in a new PID
 namespace; see C{pidreuse.py}).
 
-The attack behind issue 18 item 2: on a kernel without SO_PEERPIDFD, a
+The attack on the liveness check without SO_PEERPIDFD: on a kernel without SO_PEERPIDFD, a
 process connects, hands the connection on and exits; once its PID names
 another process, SO_PEERCRED alone tells the connection's holder that
 other process's PID.

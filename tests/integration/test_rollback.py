@@ -1,5 +1,5 @@
 """
-Rollback after a killed broker (issue 13 item 7): a broker with its gate off
+Rollback after a killed broker: a broker with its gate off
 removes the stale socket a SIGKILLed broker left, under the startup rules
 and nothing more, so that workloads still holding the broker mount find no
 socket (as docs/rollout.md says) instead of failing at connect.

@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 from support import (
+    TWISTD,
     BrokerProcess,
     as_user_argv,
     ask_pid,
+    hostpid_argv,
     require_root,
     running_broker,
     subprocess_env,
@@ -268,3 +270,22 @@ def test_cdi_refusal_alone_on_stderr(tmp_path: Path) -> None:
     assert result.stderr.count("\n") == 1
     assert_refused_alone_on_stderr(result, result.stderr.rstrip("\n"))
     assert list((tmp_path / "real-cdi").iterdir()) == []
+
+
+def test_version_is_hostpids() -> None:
+    """
+    C{twistd hostpid-broker --version}: this package's version first, the
+    line C{hostpid --version} prints (not Twisted's version alone), then
+    Twisted's.
+    """
+    from twisted import copyright
+
+    hostpid = subprocess.run(hostpid_argv("--version"), env=subprocess_env(),
+                             capture_output=True, text=True, timeout=60)
+    assert hostpid.returncode == 0 and hostpid.stdout.startswith("hostpid "), hostpid
+    done = subprocess.run(
+        [*TWISTD, "hostpid-broker", "--version"], env=subprocess_env(),
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"{hostpid.stdout}Twisted {copyright.version}\n"

@@ -43,7 +43,7 @@ class Kernel:
         return f"{self.series}-{self.suite}"
 
 
-#: The matrix (issue 18): what production GPU nodes run.  Debian 13 (trixie)
+#: The matrix: what production GPU nodes run.  Debian 13 (trixie)
 #: itself ships 6.12; its 6.16 is in trixie-backports.
 KERNELS: tuple[Kernel, ...] = (
     Kernel("5.10", "bullseye"),
@@ -263,16 +263,18 @@ class UnpackedKernel:
         return self._modules_parent / self.release
 
 
-def obtain(kernel: Kernel, cache: Path = CACHE, source: AptSource | None = None) -> UnpackedKernel:
-    """Resolve, download (once) and unpack (once) the kernel package for C{kernel}."""
-    apt = PrivateApt.create(kernel.suite, source or machine_source(), cache)
-    apt.update()
-    package = resolve(kernel, apt)
+def unpack(apt: PrivateApt, package: str, cache: Path = CACHE) -> Path:
+    """
+    Download (once) and unpack (once) the candidate version of C{package}
+    from C{apt}'s suite: the directory C{dpkg-deb -x} filled.  Shared by the
+    kernel matrix and by anything else the tests take from another suite
+    (containerd from trixie for the CRI end-to-end test).
+    """
     version = apt.run("apt-cache", "show", "--no-all-versions", package)
     (number,) = re.findall(r"^Version: (\S+)$", version, re.M)
     unpacked = cache / "unpacked" / f"{package}_{number}"
     if (unpacked / ".complete").is_file():
-        return UnpackedKernel(kernel, package, unpacked)
+        return unpacked
     debs = cache / "debs"
     debs.mkdir(parents=True, exist_ok=True)
     deb = debs / f"{package}_{number.replace(':', '%3a')}_amd64.deb"
@@ -287,4 +289,12 @@ def obtain(kernel: Kernel, cache: Path = CACHE, source: AptSource | None = None)
     (staging / ".complete").touch()
     subprocess.run(["rm", "-rf", "--", str(unpacked)], check=True)
     staging.rename(unpacked)
-    return UnpackedKernel(kernel, package, unpacked)
+    return unpacked
+
+
+def obtain(kernel: Kernel, cache: Path = CACHE, source: AptSource | None = None) -> UnpackedKernel:
+    """Resolve, download (once) and unpack (once) the kernel package for C{kernel}."""
+    apt = PrivateApt.create(kernel.suite, source or machine_source(), cache)
+    apt.update()
+    package = resolve(kernel, apt)
+    return UnpackedKernel(kernel, package, unpack(apt, package, cache))

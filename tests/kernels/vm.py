@@ -27,7 +27,7 @@ import attrs
 from kernels import initramfs
 from kernels.debian import CACHE, UnpackedKernel
 
-#: The emulated machine (issue 18: what boots a stock Debian kernel here).
+#: The emulated machine (what boots a stock Debian kernel here).
 QEMU_MACHINE = ("-accel", "tcg,thread=multi", "-cpu", "max", "-smp", "2", "-m", "2G")
 
 #: How much slower than this machine the emulated one runs the tests'

@@ -1,22 +1,92 @@
+{{/* The chart's name and version, as the helm.sh/chart label writes them. */}}
+{{- define "hostpid-broker.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
 {{/*
-Labels on every object: the ones the raw manifests always carried (the DaemonSet's selector
-is app.kubernetes.io/name alone, and a selector cannot change), plus commonLabels.
+The namespace every namespaced object goes to: the release's (helm install -n NAMESPACE), the
+Helm convention, unless namespace.name names another one.
 */}}
-{{- define "hostpid-broker.labels" -}}
+{{- define "hostpid-broker.namespace" -}}
+{{- .Values.namespace.name | default .Release.Namespace }}
+{{- end }}
+
+{{/*
+The labels Helm charts put on every object (Kubernetes' recommended labels), without the
+component; for a part of the release other than the broker, add its own component to these.
+*/}}
+{{- define "hostpid-broker.commonLabels" -}}
 app.kubernetes.io/name: hostpid-broker
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: hostpid
+helm.sh/chart: {{ include "hostpid-broker.chart" . }}
 {{- with .Values.commonLabels }}
 {{ toYaml . }}
 {{- end }}
 {{- end }}
 
+{{/* Labels on every object of the broker: the common ones and its component. */}}
+{{- define "hostpid-broker.labels" -}}
+{{ include "hostpid-broker.commonLabels" . }}
+app.kubernetes.io/component: broker
+{{- end }}
+
+{{/*
+The DaemonSet's selector: app.kubernetes.io/name alone, as the raw manifests have always had
+it (a DaemonSet's selector cannot change on upgrade).
+*/}}
 {{- define "hostpid-broker.selector" -}}
 app.kubernetes.io/name: hostpid-broker
 {{- end }}
 
+{{/*
+One setting that may be given under two names: this chart's short one (.short, .shortName) and
+the design's (.long, .longName, as in HAMi's chart: devicePlugin.*).  Unset (null or absent)
+means not given; both given and different fails the render naming both.  The result, as JSON:
+{"value": ..., "name": the name it came from (the short one when neither was given)}.
+*/}}
+{{- define "hostpid-broker.oneSetting" -}}
+{{- $short := not (kindIs "invalid" .short) -}}
+{{- $long := not (kindIs "invalid" .long) -}}
+{{- if and $short $long (ne (toString .short) (toString .long)) -}}
+{{- fail (printf "%s=%v and %s=%v disagree: they are the same setting under two names (the design's and this chart's); give one of them, or the same value to both" .longName .long .shortName .short) -}}
+{{- end -}}
+{{- if $long -}}
+{{- dict "value" .long "name" .longName | toJson -}}
+{{- else if $short -}}
+{{- dict "value" .short "name" .shortName | toJson -}}
+{{- else -}}
+{{- dict "value" .default "name" .shortName | toJson -}}
+{{- end -}}
+{{- end }}
+
+{{/* hostPID or devicePlugin.hostPID (default true), as {"value", "name"} JSON. */}}
+{{- define "hostpid-broker.hostPID" -}}
+{{- $dp := .Values.devicePlugin | default dict -}}
+{{- include "hostpid-broker.oneSetting" (dict "short" .Values.hostPID "shortName" "hostPID" "long" $dp.hostPID "longName" "devicePlugin.hostPID" "default" true) -}}
+{{- end }}
+
+{{/*
+hostPIDBroker.enabled or devicePlugin.hostPIDBroker.enabled (default false), as {"value",
+"name"} JSON.
+*/}}
+{{- define "hostpid-broker.enabled" -}}
+{{- $short := .Values.hostPIDBroker | default dict -}}
+{{- $dp := .Values.devicePlugin | default dict -}}
+{{- $long := $dp.hostPIDBroker | default dict -}}
+{{- include "hostpid-broker.oneSetting" (dict "short" $short.enabled "shortName" "hostPIDBroker.enabled" "long" $long.enabled "longName" "devicePlugin.hostPIDBroker.enabled" "default" false) -}}
+{{- end }}
+
+{{/* "true" when the gate is on (either spelling of hostPIDBroker.enabled), else "". */}}
+{{- define "hostpid-broker.isEnabled" -}}
+{{- if (include "hostpid-broker.enabled" . | fromJson).value }}true{{ end }}
+{{- end }}
+
 {{/* The gate's value in the broker pod: the exact string "1" only when enabled. */}}
 {{- define "hostpid-broker.gate" -}}
-{{- if .Values.hostPIDBroker.enabled }}1{{ else }}0{{ end }}
+{{- if include "hostpid-broker.isEnabled" . }}1{{ else }}0{{ end }}
 {{- end }}
 
 {{/* The --metrics endpoint: tcp, or tcp6 with the address's colons escaped. */}}
@@ -58,11 +128,14 @@ The combinations that cannot work fail the render, each with one message naming 
 */}}
 {{- define "hostpid-broker.rules" -}}
 {{- $v := .Values -}}
-{{- if and $v.hostPIDBroker.enabled (not $v.hostPID) }}
-{{- fail "hostPIDBroker.enabled=true requires hostPID=true: without the host PID namespace the broker would report PIDs of its own namespace (it refuses to start there); set hostPID=true or hostPIDBroker.enabled=false" }}
+{{- $hostPID := include "hostpid-broker.hostPID" . | fromJson }}
+{{- $enabled := include "hostpid-broker.enabled" . | fromJson }}
+{{- if and $enabled.value (not $hostPID.value) }}
+{{- fail (printf "%s=true requires %s=true: without the host PID namespace the broker would report PIDs of its own namespace (it refuses to start there); set %s=true or %s=false" $enabled.name $hostPID.name $hostPID.name $enabled.name) }}
 {{- end }}
-{{- if and $v.namespace.create (eq $v.namespace.name .Release.Namespace) }}
-{{- fail (printf "namespace.create=true makes the release create namespace %s, so the release cannot be stored in it: install into another namespace (--namespace default), or create and label %s yourself and set namespace.create=false" $v.namespace.name $v.namespace.name) }}
+{{- $namespace := include "hostpid-broker.namespace" . }}
+{{- if and $v.namespace.create (eq $namespace .Release.Namespace) }}
+{{- fail (printf "namespace.create=true renders namespace %s, which cannot hold the release that creates it: leave namespace.create=false and install with -n %s --create-namespace (labelling it for Pod Security yourself), or set namespace.name to a namespace other than the release's" $namespace $namespace) }}
 {{- end }}
 {{- range $monitor := list "podMonitor" "serviceMonitor" }}
 {{- if (index $v $monitor).enabled }}
@@ -82,5 +155,22 @@ The combinations that cannot work fail the render, each with one message naming 
 {{- end }}
 {{- if eq (clean $v.broker.lockParent) "/" }}
 {{- fail "broker.lockParent must not be /: its parent directory is mounted from the host" }}
+{{- end }}
+{{- end }}
+
+{{/*
+The admission webhook's labels: its own app.kubernetes.io/name, so that nothing selecting the
+brokers (the DaemonSet, the NetworkPolicy, the monitors) ever selects a webhook pod.
+*/}}
+{{- define "hostpid-broker.webhookSelector" -}}
+app.kubernetes.io/name: hostpid-webhook
+app.kubernetes.io/component: webhook
+{{- end }}
+
+{{- define "hostpid-broker.webhookLabels" -}}
+{{ include "hostpid-broker.webhookSelector" . }}
+app.kubernetes.io/part-of: hostpid
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
 {{- end }}
 {{- end }}

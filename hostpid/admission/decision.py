@@ -1,0 +1,350 @@
+"""
+The webhook's decision: a Pod in, an RFC 6902 JSON Patch and warnings out.
+
+Pure, like L{hostpid.wire}: no Twisted, no sockets, no clock.  The service
+(L{hostpid.admission.service}) only decodes, calls L{decide} and encodes.
+
+Which pods: a pod any of whose containers or init containers requests or
+limits one of L{Config.resources}.  Only those get the broker; the design's
+boundary is "the socket is available only to workloads that receive the
+allocation mount", so a pod that does not qualify but names the broker's
+CDI device itself loses that annotation.
+
+Two modes:
+
+ - C{mounts}: each qualifying container gets what C{hostpid allocate} gives
+   a kubelet allocation (L{hostpid.node.allocation.canonical_mounts}): the
+   writable lock parent at C{/tmp/vgpulock}, then the read-only broker
+   directory at C{/tmp/vgpulock/hostpid}, and C{LIBVGPU_HOSTPID_BROKER=1}.
+   The pod gets two C{hostPath} volumes (type C{Directory}: the broker's
+   DaemonSet prepares both paths, and a kubelet that created a missing lock
+   parent would make it 0755, not the design's 01777).
+
+ - C{cdi}: the pod gets the annotation L{ANNOTATION_KEY} =
+   C{hami.io/hostpid=broker} (L{hostpid.node.cdi}).  WHERE THIS REACHES A
+   RUNTIME, AND WHERE IT DOES NOT: containerd
+   (C{internal/cri/server/container_create_linux.go} and 1.7's
+   C{pkg/cri/server/} and C{pkg/cri/sbserver/container_create_linux.go},
+   C{containerSpecOpts}:
+   C{customopts.WithCDI(config.Annotations, config.CDIDevices)}) and CRI-O
+   (C{internal/factory/container/device_linux.go}, C{specInjectCDIDevices}:
+   C{cdi.ParseAnnotations(c.Config().GetAnnotations())}) read CDI
+   annotations from the CRI I{ContainerConfig}.  The kubelet fills
+   C{ContainerConfig.Annotations} from C{newContainerAnnotations}
+   (kubernetes/kubernetes C{pkg/kubelet/kuberuntime/labels.go}, used by
+   C{generateContainerConfig} in C{kuberuntime_container.go}): the device
+   plugin's annotations (C{opts.Annotations}) plus the kubelet's own
+   C{io.kubernetes.container.*} keys, and no pod annotation.  Pod annotations
+   go only to the I{PodSandboxConfig} (C{newPodAnnotations}, used by
+   C{generatePodSandboxConfig} in C{kuberuntime_sandbox.go}), which neither
+   runtime reads CDI devices from.  So on a stock kubelet with containerd or
+   CRI-O, the pod annotation alone injects nothing: mode C{cdi} needs a
+   node component that turns it into container CDI devices (an NRI plugin,
+   or a device plugin naming the device itself, C{hostpid allocate --cdi});
+   mode C{mounts} works everywhere.  C{docs/admission.md} says so.
+
+Either way the decision is idempotent (a patched pod, and a pod that already
+has HAMi's own mounts and gate, give no patch), touches no unrelated volume,
+mount, variable or annotation, and admits a pod whose own mounts would cover
+C{/tmp/vgpulock} or the broker directory unpatched, with a warning naming
+the volume.  The gate (L{Config.gate}) off patches nothing but the removal
+of the broker annotation, so the design's rollout and rollback order holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from hostpid import defaults
+from hostpid.gate import ENABLED_VALUE, GATE_ENV
+from hostpid.node import cdi
+from hostpid.node.allocation import canonical_mounts, clean_container_path, is_within
+
+#: The pod annotation mode C{cdi} gives (CDI's prefix, C{pkg/cdi/annotations.go}).
+ANNOTATION_KEY = cdi.ANNOTATION_PREFIX + "hostpid-broker"
+#: Its value: the broker device of the spec the broker writes (C{docs/cdi.md}).
+ANNOTATION_VALUE = cdi.qualified_name(cdi.BROKER_DEVICE)
+
+#: The pod volumes mode C{mounts} adds.
+LOCK_PARENT_VOLUME = "hostpid-lock-parent"
+BROKER_VOLUME = "hostpid-broker"
+
+MODES = ("cdi", "mounts")
+
+#: Outcome labels, one per decision (the C{/metrics} counter's label).
+PATCHED = "patched"
+UNCHANGED = "unchanged"
+NOT_QUALIFYING = "not_qualifying"
+GATE_OFF = "gate_off"
+SHADOWED = "shadowed"
+ANNOTATION_REMOVED = "annotation_removed"
+OUTCOMES = (PATCHED, UNCHANGED, NOT_QUALIFYING, GATE_OFF, SHADOWED, ANNOTATION_REMOVED)
+
+_CONTAINER_LISTS = ("initContainers", "containers")
+
+
+@attrs.frozen
+class Config:
+    """
+    What the webhook is told at startup.
+
+    @ivar resources: extended resource names that make a pod qualify.
+    @ivar mode: C{"cdi"} (the annotation) or C{"mounts"} (hostPath volumes).
+    @ivar gate: the webhook's own C{LIBVGPU_HOSTPID_BROKER} is exactly C{"1"}.
+    @ivar lock_parent: the host lock parent (mode C{mounts}).
+    @ivar broker_dir: the host broker directory (mode C{mounts}).
+    """
+
+    resources: tuple[str, ...] = ("nvidia.com/gpu",)
+    mode: str = "cdi"
+    gate: bool = False
+    lock_parent: str = defaults.LOCK_PARENT
+    broker_dir: str = defaults.BROKER_DIRECTORY
+
+    def __attrs_post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
+        if not self.resources:
+            raise ValueError("at least one resource name is needed")
+
+
+@attrs.frozen
+class Decision:
+    """
+    @ivar patch: RFC 6902 operations, to apply in order to the pod as given.
+    @ivar warnings: short sentences for the AdmissionReview's C{warnings}.
+    @ivar outcome: one of L{OUTCOMES}.
+    """
+
+    patch: tuple[dict[str, Any], ...]
+    warnings: tuple[str, ...]
+    outcome: str
+
+
+def pointer(*parts: str | int) -> str:
+    """An RFC 6901 JSON Pointer: C{~} as C{~0}, then C{/} as C{~1}, in each part."""
+    return "".join("/" + str(part).replace("~", "~0").replace("/", "~1") for part in parts)
+
+
+def _mapping(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _list(value: Any) -> Sequence[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _containers(spec: Mapping[str, Any]) -> Iterable[tuple[str, int, Mapping[str, Any]]]:
+    for field in _CONTAINER_LISTS:
+        for index, container in enumerate(_list(spec.get(field))):
+            if isinstance(container, Mapping):
+                yield field, index, container
+
+
+def requests_resource(container: Mapping[str, Any], resources: Iterable[str]) -> bool:
+    """Whether C{container} requests or limits any of C{resources}."""
+    amounts = _mapping(container.get("resources"))
+    names = set(resources)
+    return any(
+        name in names
+        for part in ("requests", "limits")
+        for name in _mapping(amounts.get(part))
+    )
+
+
+def _annotations(pod: Mapping[str, Any]) -> Mapping[str, Any]:
+    return _mapping(_mapping(pod.get("metadata")).get("annotations"))
+
+
+def _remove_annotation(pod: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
+    if ANNOTATION_KEY not in _annotations(pod):
+        return ()
+    return ({"op": "remove", "path": pointer("metadata", "annotations", ANNOTATION_KEY)},)
+
+
+def _add_annotation(pod: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
+    metadata = pod.get("metadata")
+    if not isinstance(metadata, Mapping):
+        return ({"op": "add", "path": "/metadata",
+                 "value": {"annotations": {ANNOTATION_KEY: ANNOTATION_VALUE}}},)
+    annotations = metadata.get("annotations")
+    if not isinstance(annotations, Mapping):
+        return ({"op": "add", "path": "/metadata/annotations",
+                 "value": {ANNOTATION_KEY: ANNOTATION_VALUE}},)
+    if annotations.get(ANNOTATION_KEY) == ANNOTATION_VALUE:
+        return ()
+    # "add" on an existing member replaces it (RFC 6902 section 4.1).
+    return ({"op": "add", "path": pointer("metadata", "annotations", ANNOTATION_KEY),
+             "value": ANNOTATION_VALUE},)
+
+
+@attrs.frozen
+class _Wanted:
+    """One canonical mount as a pod spec expresses it."""
+
+    volume: str
+    container_path: str
+    host_path: str
+    read_only: bool
+
+    def volume_object(self) -> dict[str, Any]:
+        return {"name": self.volume, "hostPath": {"path": self.host_path, "type": "Directory"}}
+
+    def mount_object(self) -> dict[str, Any]:
+        mount: dict[str, Any] = {"name": self.volume, "mountPath": self.container_path}
+        if self.read_only:
+            mount["readOnly"] = True
+        return mount
+
+
+def _wanted(config: Config) -> tuple[_Wanted, ...]:
+    names = (LOCK_PARENT_VOLUME, BROKER_VOLUME)
+    return tuple(
+        _Wanted(name, mount.container_path, mount.host_path, mount.read_only)
+        for name, mount in zip(names, canonical_mounts(True, config.lock_parent,
+                                                       config.broker_dir), strict=True)
+    )
+
+
+def _host_path(volume: Mapping[str, Any]) -> str | None:
+    path = _mapping(volume.get("hostPath")).get("path")
+    return clean_container_path(path) if isinstance(path, str) else None
+
+
+def _provides(volume: Mapping[str, Any] | None, mount: Mapping[str, Any], want: _Wanted) -> bool:
+    """Whether C{mount} (of C{volume}) already is the canonical C{want}."""
+    return (
+        volume is not None
+        and _host_path(volume) == clean_container_path(want.host_path)
+        and not mount.get("subPath") and not mount.get("subPathExpr")
+        and bool(mount.get("readOnly", False)) == want.read_only
+    )
+
+
+def _is_reserved(target: str) -> bool:
+    return target == defaults.LOCK_PARENT or is_within(
+        target, defaults.CONTAINER_BROKER_DIRECTORY)
+
+
+def _shadowing(pod_spec: Mapping[str, Any], qualifying: list[tuple[str, int, Mapping[str, Any]]],
+               config: Config) -> list[str]:
+    """
+    Warnings for the pod's own volumes that would cover a canonical path (or
+    hold one of the webhook's volume names with something else): such a pod
+    is admitted as it is.
+    """
+    volumes = {v.get("name"): v for v in _list(pod_spec.get("volumes")) if isinstance(v, Mapping)}
+    by_path = {want.container_path: want for want in _wanted(config)}
+    problems: list[str] = []
+    for own in _wanted(config):
+        volume = volumes.get(own.volume)
+        if volume is not None and _host_path(volume) != clean_container_path(own.host_path):
+            problems.append(f"volume {own.volume!r} is the pod's own, not {own.host_path}")
+    for field, index, container in qualifying:
+        for mount in _list(container.get("volumeMounts")):
+            if not isinstance(mount, Mapping) or not isinstance(mount.get("mountPath"), str):
+                continue
+            target = clean_container_path(mount["mountPath"])
+            if not _is_reserved(target):
+                continue
+            want = by_path.get(target)
+            volume = volumes.get(mount.get("name"))
+            if want is not None and _provides(volume, mount, want):
+                continue
+            problems.append(
+                f"volume {mount.get('name')!r} mounted at {target} in "
+                f"{field}[{index}] ({container.get('name')}) would shadow the broker's mount"
+            )
+    return problems
+
+
+def _mount_ops(pod_spec: Mapping[str, Any],
+               qualifying: list[tuple[str, int, Mapping[str, Any]]],
+               config: Config) -> list[dict[str, Any]]:
+    volumes = {v.get("name"): v for v in _list(pod_spec.get("volumes")) if isinstance(v, Mapping)}
+    wants = _wanted(config)
+    ops: list[dict[str, Any]] = []
+    needed_volumes: list[_Wanted] = []
+    for field, index, container in qualifying:
+        mounts = [m for m in _list(container.get("volumeMounts")) if isinstance(m, Mapping)]
+        missing = [
+            want for want in wants
+            if not any(
+                clean_container_path(str(m.get("mountPath", ""))) == want.container_path
+                and _provides(volumes.get(m.get("name")), m, want)
+                for m in mounts
+            )
+        ]
+        for want in missing:
+            if want.volume not in volumes and want not in needed_volumes:
+                needed_volumes.append(want)
+        if missing:
+            objects = [want.mount_object() for want in missing]
+            if not isinstance(container.get("volumeMounts"), list):
+                ops.append({"op": "add", "path": pointer("spec", field, index, "volumeMounts"),
+                            "value": objects})
+            else:
+                ops.extend({"op": "add", "path": pointer("spec", field, index, "volumeMounts", "-"),
+                            "value": obj} for obj in objects)
+        ops.extend(_env_ops(container, field, index))
+    if needed_volumes:
+        objects = [want.volume_object() for want in needed_volumes]
+        if not isinstance(pod_spec.get("volumes"), list):
+            ops.insert(0, {"op": "add", "path": "/spec/volumes", "value": objects})
+        else:
+            ops[0:0] = [{"op": "add", "path": "/spec/volumes/-", "value": obj} for obj in objects]
+    return ops
+
+
+def _env_ops(container: Mapping[str, Any], field: str, index: int) -> list[dict[str, Any]]:
+    """
+    The gate in C{container}'s env: added when absent, and every entry of the
+    reserved key that is not exactly C{"1"} replaced (as C{hostpid allocate}
+    clears the key before setting it, a stale or forged value never
+    survives).
+    """
+    gate = {"name": GATE_ENV, "value": ENABLED_VALUE}
+    env = container.get("env")
+    if not isinstance(env, list):
+        return [{"op": "add", "path": pointer("spec", field, index, "env"), "value": [gate]}]
+    ops = []
+    found = False
+    for position, entry in enumerate(env):
+        if isinstance(entry, Mapping) and entry.get("name") == GATE_ENV:
+            found = True
+            if dict(entry) != gate:
+                ops.append({"op": "replace", "path": pointer("spec", field, index, "env",
+                                                             position), "value": gate})
+    if not found:
+        ops.append({"op": "add", "path": pointer("spec", field, index, "env", "-"), "value": gate})
+    return ops
+
+
+def decide(pod: Mapping[str, Any], config: Config) -> Decision:
+    """The patch, warnings and outcome for C{pod} (a decoded Pod object)."""
+    spec = _mapping(pod.get("spec"))
+    qualifying = [c for c in _containers(spec) if requests_resource(c[2], config.resources)]
+    removal = _remove_annotation(pod)
+    if not qualifying:
+        if removal:
+            return Decision(removal, (
+                f"annotation {ANNOTATION_KEY} removed: no container requests "
+                f"{', '.join(config.resources)}, so the pod gets no broker",), ANNOTATION_REMOVED)
+        return Decision((), (), NOT_QUALIFYING)
+    if not config.gate:
+        if removal:
+            return Decision(removal, (
+                f"annotation {ANNOTATION_KEY} removed: the broker's gate is off",),
+                ANNOTATION_REMOVED)
+        return Decision((), (), GATE_OFF)
+    problems = _shadowing(spec, qualifying, config)
+    if problems:
+        return Decision((), tuple(f"hostpid broker not added: {p}" for p in problems), SHADOWED)
+    if config.mode == "cdi":
+        patch = _add_annotation(pod)
+    else:
+        patch = tuple(_mount_ops(spec, qualifying, config))
+    return Decision(patch, (), PATCHED if patch else UNCHANGED)

@@ -1,0 +1,404 @@
+"""
+The AdmissionReview server: twisted.web around L{hostpid.admission.decision}.
+
+  - C{POST /mutate}: an C{admission.k8s.io/v1} AdmissionReview in, the
+    review's response out: C{allowed: true} always, the decision's JSON Patch
+    (base64, C{patchType: JSONPatch}) and warnings.
+  - C{/healthz}, C{/readyz}: the reactor answers; ready says the mode and
+    the gate.
+  - C{/metrics}: reviews per outcome and the decision's latency, from a
+    registry of this server's own.
+
+The webhook never refuses a pod: whatever it is sent, the answer is an
+allowed review when a C{uid} can be read, else a short 400.  Its costs are
+bounded whatever a client does (L{WebhookChannel}): a body larger than
+L{MAX_BODY} is refused from its C{Content-Length}, or as soon as a chunked
+body passes it, and is never buffered whole (twisted.web would otherwise
+keep any body in memory or a temporary file: C{http.Request.gotLength},
+C{_getContentFile}); each request must arrive whole within the site's
+timeout of the connection opening or the previous answer, trickling data
+not extending it (a slowloris holds a connection for that long at most);
+and at most L{MAX_CONNECTIONS} connections are held, a newcomer at the cap
+evicting the oldest; the bodies held at once are bounded too
+(L{MAX_BUFFERED}).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from twisted.internet.interfaces import IAddress
+from twisted.internet.protocol import connectionDone
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web import http
+from twisted.web.resource import Resource
+from twisted.web.server import Request, Site
+
+from hostpid.admission.decision import OUTCOMES, Config, Decision, decide
+
+#: The largest AdmissionReview accepted, in bytes.  The API server limits a
+#: whole object to about 1.5 MiB in etcd, but a Pod spec is a few kilobytes;
+#: a larger body is answered 413 without being read.
+MAX_BODY = 1024 * 1024
+#: Each request must arrive whole within this many seconds (of the
+#: connection opening, or of the previous answer on a kept-alive
+#: connection).  The API server gives the webhook at most its
+#: C{timeoutSeconds} (the chart: 5), so a longer wait serves nobody.
+REQUEST_TIMEOUT = 10.0
+#: Connections held at once.  A few API servers keep a few connections each.
+MAX_CONNECTIONS = 256
+#: Request body bytes held at once over every connection.  Without this
+#: bound, MAX_CONNECTIONS slow clients each stopping just short of MAX_BODY
+#: would hold 256 MiB, past the chart's memory limit (128 MiB): the kernel
+#: would kill the webhook.  A chunk that would pass it is answered 503 and
+#: the connection closed; real reviews are a few kilobytes.
+MAX_BUFFERED = 32 * 1024 * 1024
+#: Latency buckets of the decision, in seconds.
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1.0)
+#: Outcomes beyond the decision's own: reviews answered without a decision.
+INVALID = "invalid"
+NOT_POD = "not_pod"
+REQUEST_OUTCOMES = (*OUTCOMES, INVALID, NOT_POD)
+
+API_VERSION = "admission.k8s.io/v1"
+
+
+class WebhookMetrics:
+    """This server's own registry: nothing else in the process appears in it."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.reviews = Counter(
+            "hostpid_webhook_reviews", "AdmissionReviews answered, per outcome.",
+            ["outcome"], registry=self.registry)
+        for outcome in REQUEST_OUTCOMES:
+            self.reviews.labels(outcome)
+        self.latency = Histogram(
+            "hostpid_webhook_review_seconds",
+            "Time from a whole request body to its answer (decode, decide, encode).",
+            buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.refused = Counter(
+            "hostpid_webhook_refused_requests",
+            "Requests answered without a review: too_large (413), busy (503: every body "
+            "byte the server holds at once in use), timed_out, evicted, bad_request (400), "
+            "method (405).",
+            ["reason"], registry=self.registry)
+        for reason in ("too_large", "busy", "timed_out", "evicted", "bad_request", "method"):
+            self.refused.labels(reason)
+
+
+class _BadReview(ValueError):
+    """A body that is no AdmissionReview; the message is the 400's text."""
+
+
+def _allowed(uid: str, decision: Decision | None = None,
+             warnings: tuple[str, ...] = ()) -> dict[str, Any]:
+    response: dict[str, Any] = {"uid": uid, "allowed": True}
+    if decision is not None and decision.patch:
+        response["patchType"] = "JSONPatch"
+        response["patch"] = base64.b64encode(
+            json.dumps(list(decision.patch), separators=(",", ":")).encode()).decode("ascii")
+    all_warnings = (*(decision.warnings if decision else ()), *warnings)
+    if all_warnings:
+        response["warnings"] = list(all_warnings)
+    return {"apiVersion": API_VERSION, "kind": "AdmissionReview", "response": response}
+
+
+def review(body: bytes, config: Config) -> tuple[dict[str, Any], str, str]:
+    """
+    The answer to one request body, its outcome label, and the pod's
+    C{namespace/name} for the log.
+
+    @raise _BadReview: no C{uid} can be read, so there is nothing to answer.
+    """
+    try:
+        document = json.loads(body)
+    except (ValueError, RecursionError) as e:
+        raise _BadReview(f"the body is not JSON: {str(e)[:80]}") from None
+    if not isinstance(document, dict):
+        raise _BadReview("the body is not a JSON object")
+    request = document.get("request")
+    uid = request.get("uid") if isinstance(request, dict) else None
+    if not isinstance(uid, str) or not uid:
+        raise _BadReview("no request.uid: not an AdmissionReview")
+    assert isinstance(request, dict)
+    if document.get("apiVersion") != API_VERSION or document.get("kind") != "AdmissionReview":
+        return _allowed(uid, warnings=(
+            f"hostpid webhook: expected an {API_VERSION} AdmissionReview; pod not changed",)), \
+            INVALID, ""
+    kind = request.get("kind")
+    pod = request.get("object")
+    if (not isinstance(kind, dict) or kind.get("kind") != "Pod" or kind.get("group", "") != ""
+            or not isinstance(pod, dict) or request.get("operation", "CREATE") != "CREATE"):
+        return _allowed(uid), NOT_POD, ""
+    decision = decide(pod, config)
+    metadata = pod.get("metadata")
+    if not isinstance(metadata, dict):
+        metadata = {}
+    name = request.get("name") or metadata.get("name") or metadata.get("generateName") or ""
+    who = f"{request.get('namespace') or ''}/{name}"
+    return _allowed(uid, decision), decision.outcome, who
+
+
+def _text(request: Request, code: int, body: str) -> bytes:
+    data = body.encode("utf-8") + b"\n"
+    request.setResponseCode(code)
+    request.setHeader(b"content-type", b"text/plain; charset=utf-8")
+    request.setHeader(b"content-length", b"%d" % (len(data),))
+    return data
+
+
+class MutateResource(Resource):
+    """C{POST /mutate}."""
+
+    isLeaf = True
+    log = Logger()
+
+    def __init__(self, config: Config, metrics: WebhookMetrics,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        super().__init__()
+        self.config = config
+        self.metrics = metrics
+        self.clock = clock
+
+    def render_POST(self, request: Request) -> bytes:
+        started = self.clock()
+        assert request.content is not None
+        body = request.content.getvalue()
+        try:
+            answer, outcome, who = review(body, self.config)
+        except _BadReview as e:
+            self.metrics.refused.labels("bad_request").inc()
+            return _text(request, http.BAD_REQUEST, str(e))
+        data = json.dumps(answer, separators=(",", ":")).encode()
+        self.metrics.reviews.labels(outcome).inc()
+        self.metrics.latency.observe(self.clock() - started)
+        if outcome not in ("unchanged", "not_qualifying", "not_pod"):
+            self.log.info("hostpid-webhook: {outcome} pod {pod}", outcome=outcome, pod=who,
+                          warnings=answer["response"].get("warnings", []))
+        request.setHeader(b"content-type", b"application/json")
+        request.setHeader(b"content-length", b"%d" % (len(data),))
+        return data
+
+    def render_GET(self, request: Request) -> bytes:
+        self.metrics.refused.labels("method").inc()
+        request.setHeader(b"allow", b"POST")
+        return _text(request, http.NOT_ALLOWED, "POST an AdmissionReview here")
+
+
+class _Text(Resource):
+    isLeaf = True
+
+    def __init__(self, text: Callable[[], str]) -> None:
+        super().__init__()
+        self.text = text
+
+    def render_GET(self, request: Request) -> bytes:
+        return _text(request, http.OK, self.text())
+
+
+class _Metrics(Resource):
+    isLeaf = True
+
+    def __init__(self, metrics: WebhookMetrics) -> None:
+        super().__init__()
+        self.metrics = metrics
+
+    def render_GET(self, request: Request) -> bytes:
+        request.setHeader(b"content-type", CONTENT_TYPE_LATEST.encode("ascii"))
+        return generate_latest(self.metrics.registry)
+
+
+def webhook_resource(config: Config, metrics: WebhookMetrics) -> Resource:
+    """The resource tree: C{/mutate}, C{/healthz}, C{/readyz}, C{/metrics}."""
+    root = Resource()
+    root.putChild(b"mutate", MutateResource(config, metrics))
+    root.putChild(b"healthz", _Text(lambda: "ok"))
+    gate = "on" if config.gate else "off (patching nothing but the broker annotation's removal)"
+    root.putChild(b"readyz", _Text(lambda: f"ready: mode {config.mode}, gate {gate}"))
+    root.putChild(b"metrics", _Metrics(metrics))
+    return root
+
+
+class WebhookRequest(Request):
+    """
+    A request whose body is kept in memory up to L{MAX_BODY} and no
+    further, and whose failure is a plain 500, never a traceback.
+    """
+
+    log = Logger()
+
+    def gotLength(self, length: int | None) -> None:
+        # Never a temporary file (twisted.web's choice past 100 kB): the
+        # channel has already refused anything over the cap.
+        self.content = io.BytesIO()
+
+    _counted = 0
+
+    def handleContentChunk(self, data: bytes) -> None:
+        assert self.content is not None
+        channel = self.channel
+        if not isinstance(channel, WebhookChannel):
+            return
+        if self.content.tell() + len(data) > MAX_BODY:
+            channel.refuse(413, b"the body is larger than %d bytes" % (MAX_BODY,))
+            return
+        site = channel.site
+        if site.buffered + len(data) > site.maxBuffered:
+            channel.refuse(503, b"too many request bytes held at once; retry")
+            return
+        site.buffered += len(data)
+        self._counted += len(data)
+        self._budget = site
+        self.content.write(data)
+
+    def _release(self) -> None:
+        """Give this request's body bytes back to the site's budget (once)."""
+        site: WebhookSite | None = getattr(self, "_budget", None)
+        if self._counted and site is not None:
+            site.buffered -= self._counted
+        self._counted = 0
+
+    def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:
+        # Processing is synchronous: once it returns, the body is no longer needed.
+        try:
+            super().requestReceived(command, path, version)
+        finally:
+            self._release()
+            self.content = io.BytesIO()
+
+    def connectionLost(self, reason: Failure) -> None:
+        self._release()
+        super().connectionLost(reason)
+
+    def processingFailed(self, reason: Failure) -> None:
+        self.log.error("hostpid-webhook: request failed: {error}",
+                       error=reason.getErrorMessage())
+        body = b"internal error\n"
+        self.setResponseCode(http.INTERNAL_SERVER_ERROR)
+        self.setHeader(b"content-type", b"text/plain; charset=utf-8")
+        self.setHeader(b"content-length", b"%d" % (len(body),))
+        self.write(body)
+        self.finish()
+
+
+_REASONS = {413: b"Content Too Large", 400: b"Bad Request", 503: b"Service Unavailable"}
+
+
+class WebhookChannel(http.HTTPChannel):
+    """
+    One connection, with the webhook's bounds (see the module docstring).
+    Kept alive between requests, as the API server wants.
+    """
+
+    maxHeaders = 64
+    totalHeadersSize = 16384
+
+    site: WebhookSite
+    _refused = False
+
+    def connectionMade(self) -> None:
+        super().connectionMade()
+        self.site.hold(self)
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        self.site.forget(self)
+        super().connectionLost(reason)
+
+    def resetTimeout(self) -> None:
+        """Data does not extend the request deadline: a slow sender cannot hold a slot."""
+
+    def timeoutConnection(self) -> None:
+        """Abort, counted, without Twisted's per-connection log line."""
+        self.site.metrics.refused.labels("timed_out").inc()
+        self.abort()
+
+    def abort(self) -> None:
+        self._refused = True
+        if self.transport is not None:
+            self.transport.abortConnection()  # type: ignore[attr-defined]
+
+    def dataReceived(self, data: bytes) -> None:
+        if not self._refused:
+            super().dataReceived(data)
+
+    def allHeadersReceived(self) -> None:
+        if self.length is not None and self.length > MAX_BODY:
+            self.refuse(413, b"the body is larger than %d bytes" % (MAX_BODY,))
+            return
+        super().allHeadersReceived()
+
+    def refuse(self, code: int, text: bytes) -> None:
+        """Answer C{code} and close; whatever else the client sends is dropped unread."""
+        if self._refused:
+            return
+        reason = {413: "too_large", 503: "busy"}.get(code, "bad_request")
+        self.site.metrics.refused.labels(reason).inc()
+        self._refused = True
+        self.length = None  # so lineReceived, which called us, dispatches nothing
+        body = text + b"\n"
+        head = (b"HTTP/1.1 %d %s\r\nContent-Type: text/plain; charset=utf-8\r\n"
+                b"Content-Length: %d\r\nConnection: close\r\n\r\n"
+                % (code, _REASONS[code], len(body)))
+        assert self.transport is not None
+        self.transport.write(head + body)
+        self.transport.loseConnection()
+
+
+class WebhookSite(Site):
+    """The webhook's factory: the bounded channel, at most L{MAX_CONNECTIONS}."""
+
+    protocol = WebhookChannel  # type: ignore[assignment]
+    requestFactory = WebhookRequest
+    displayTracebacks = False
+    noisy = False
+
+    def __init__(self, resource: Resource, metrics: WebhookMetrics,
+                 timeout: float = REQUEST_TIMEOUT, maxConnections: int = MAX_CONNECTIONS,
+                 maxBuffered: int = MAX_BUFFERED, reactor: Any = None) -> None:
+        super().__init__(resource, timeout=timeout, reactor=reactor)
+        self.metrics = metrics
+        self.maxConnections = maxConnections
+        self.maxBuffered = maxBuffered
+        #: Request body bytes held now, over every connection.
+        self.buffered = 0
+        self._held: OrderedDict[WebhookChannel, None] = OrderedDict()
+
+    def buildProtocol(self, addr: IAddress) -> WebhookChannel:  # type: ignore[override]
+        channel = super().buildProtocol(addr)
+        assert isinstance(channel, WebhookChannel)
+        return channel
+
+    def hold(self, channel: WebhookChannel) -> None:
+        while len(self._held) >= self.maxConnections:
+            oldest, _ = self._held.popitem(last=False)
+            self.metrics.refused.labels("evicted").inc()
+            oldest.abort()
+        self._held[channel] = None
+
+    def forget(self, channel: WebhookChannel) -> None:
+        self._held.pop(channel, None)
+
+    def log(self, request: http.Request) -> None:
+        """No access log: every pod creation would be a line."""
+
+
+def make_site(config: Config, timeout: float = REQUEST_TIMEOUT, reactor: Any = None,
+              metrics: WebhookMetrics | None = None) -> WebhookSite:
+    metrics = metrics if metrics is not None else WebhookMetrics()
+    return WebhookSite(webhook_resource(config, metrics), metrics, timeout=timeout,
+                       reactor=reactor)

@@ -1,0 +1,130 @@
+"""
+C{twistd hostpid-webhook}: options and service construction, nothing more.
+
+The gate is the webhook's own environment, as for the broker: only
+C{LIBVGPU_HOSTPID_BROKER=1} (exactly) lets it patch pods
+(L{hostpid.gate.gate_enabled}).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twisted.application.internet import StreamServerEndpointService
+from twisted.application.service import IService
+from twisted.internet import endpoints
+from twisted.logger import Logger
+from twisted.python import usage
+
+from hostpid import defaults
+from hostpid.admission.decision import MODES, Config
+from hostpid.admission.service import REQUEST_TIMEOUT, make_site
+from hostpid.gate import gate_enabled
+
+DEFAULT_RESOURCE = "nvidia.com/gpu"
+MAX_TIMEOUT = 60.0
+
+
+class Options(usage.Options):
+    synopsis = "--endpoint ENDPOINT [--resource NAME]... [--mode cdi|mounts]"
+    longdesc = (
+        "Serve the admission webhook that gives GPU pods the host PID broker: POST /mutate "
+        "(AdmissionReview admission.k8s.io/v1), /healthz, /readyz, /metrics.  It patches pods "
+        "only when its own LIBVGPU_HOSTPID_BROKER is exactly \"1\".  Run it as "
+        "`twistd --nodaemon --pidfile= hostpid-webhook --endpoint "
+        "ssl:8443:privateKey=tls.key:certKey=tls.crt`."
+    )
+    optParameters = [
+        ["endpoint", None, None,
+         "Twisted server endpoint string, e.g. ssl:8443:privateKey=KEY:certKey=CERT "
+         "(the API server calls webhooks over TLS only)."],
+        ["mode", None, "cdi",
+         "cdi: the pod annotation cdi.k8s.io/hostpid-broker (needs a node component that "
+         "turns it into container CDI devices, see docs/admission.md); mounts: hostPath "
+         "volumes, mounts and the gate, as `hostpid allocate` gives them."],
+        ["lock-parent", None, defaults.LOCK_PARENT,
+         "The host lock parent mounted at /tmp/vgpulock (mode mounts)."],
+        ["broker-dir", None, defaults.BROKER_DIRECTORY,
+         "The host broker directory mounted read-only at /tmp/vgpulock/hostpid (mode mounts)."],
+        ["request-timeout", None, REQUEST_TIMEOUT,
+         "Seconds in which each request must arrive whole."],
+    ]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self["resource"] = []
+
+    def opt_resource(self, name: str) -> None:
+        """An extended resource that makes a pod qualify (repeatable; default nvidia.com/gpu)."""
+        if not name or "/" not in name:
+            raise usage.UsageError(f"--resource {name!r}: an extended resource name "
+                                   "(DOMAIN/NAME), e.g. nvidia.com/gpu")
+        self["resource"].append(name)
+
+    def postOptions(self) -> None:
+        if not self["endpoint"]:
+            raise usage.UsageError("--endpoint is required")
+        if self["mode"] not in MODES:
+            raise usage.UsageError(f"--mode must be one of {', '.join(MODES)}, "
+                                   f"not {self['mode']!r}")
+        try:
+            timeout = float(self["request-timeout"])
+        except ValueError:
+            timeout = -1.0
+        if not 0 < timeout <= MAX_TIMEOUT:
+            raise usage.UsageError(f"--request-timeout must be a number of seconds from 0 "
+                                   f"to {MAX_TIMEOUT:g}, got {self['request-timeout']!r}")
+        self["request-timeout"] = timeout
+        from twisted.internet import reactor
+
+        try:
+            self.endpointObject = endpoints.serverFromString(reactor, self["endpoint"])
+        except Exception as e:
+            raise usage.UsageError(f"--endpoint {self['endpoint']!r}: not a Twisted server "
+                                   f"endpoint string ({e})") from None
+
+
+class WebhookService(StreamServerEndpointService):
+    """The listening service; a failed listen stops twistd with status 1."""
+
+    _raiseSynchronously = True
+    log = Logger()
+
+    def __init__(self, endpoint: Any, factory: Any, config: Config) -> None:
+        super().__init__(endpoint, factory)
+        self.config = config
+
+    def privilegedStartService(self) -> None:
+        super().privilegedStartService()
+        assert self._waitingForPort is not None
+        self._waitingForPort.addCallback(self._listening)
+
+    def _listening(self, port: Any) -> Any:
+        address = port.getHost()
+        self.log.info(
+            "hostpid-webhook: listening on port {port}, mode {mode}, gate {gate}, "
+            "resources {resources}",
+            port=getattr(address, "port", address), mode=self.config.mode,
+            gate="on" if self.config.gate else "off", resources=list(self.config.resources))
+        return port
+
+
+def config_from(options: Options | dict[str, Any], environ: Any = None) -> Config:
+    return Config(
+        resources=tuple(options.get("resource") or (DEFAULT_RESOURCE,)),
+        mode=options.get("mode") or "cdi",
+        gate=gate_enabled(environ),
+        lock_parent=options.get("lock-parent") or defaults.LOCK_PARENT,
+        broker_dir=options.get("broker-dir") or defaults.BROKER_DIRECTORY,
+    )
+
+
+def makeService(options: Options | dict[str, Any]) -> IService:
+    config = config_from(options)
+    endpoint = getattr(options, "endpointObject", None)
+    if endpoint is None:
+        from twisted.internet import reactor
+
+        endpoint = endpoints.serverFromString(reactor, options["endpoint"])
+    site = make_site(config, timeout=float(options.get("request-timeout") or REQUEST_TIMEOUT))
+    return WebhookService(endpoint, site, config)

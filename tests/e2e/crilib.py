@@ -1,0 +1,475 @@
+"""
+containerd driven over its CRI gRPC API, for the CRI end-to-end test.
+
+Debian bookworm's containerd is 1.6, whose CRI plugin has no CDI (its
+C{enable_cdi} arrived in 1.7).  So the test runs trixie's containerd 1.7,
+fetched the way the kernel matrix fetches kernels (L{kernels.debian}: a
+private apt configuration for the other suite, C{apt-get download},
+C{dpkg-deb -x}, cached) and run from where it was unpacked.  Nothing is
+installed: each L{Containerd} has its own config, root, state directory,
+gRPC socket, CDI spec directory and log directory under one temporary
+directory, and runs the host's C{runc} (the podman and runc tests' runtime)
+through the unpacked C{containerd-shim-runc-v2}.  Teardown kills containerd
+and every shim started for its socket, unmounts what is left under the
+directory and removes it, with the cgroups its containers' parent made.
+
+The CRI client is generated at test time: C{grpc_tools.protoc} compiles the
+subset of C{runtime.v1} in C{cri/runtime_v1.proto} into a temporary
+directory, and each call is a plain unary gRPC call on a Unix socket, as the
+kubelet's remote runtime service makes it.
+
+The images come from no registry: L{write_image} builds an OCI image layout
+tarball (one layer: Debian's static busybox and the static C contract client)
+that C{ctr images import} loads into the C{k8s.io} namespace, the one the CRI
+plugin uses.  The same image serves as the sandbox (C{sandbox_image}) image.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from support import require_tool, skip_or_fail, wait_for
+
+PROTO = Path(__file__).resolve().parent / "cri" / "runtime_v1.proto"
+
+#: The Debian suite and package: containerd 1.7 with CDI in its CRI plugin.
+CONTAINERD_SUITE = "trixie"
+CONTAINERD_PACKAGE = "containerd"
+
+#: The CRI plugin's containerd namespace.
+K8S_NAMESPACE = "k8s.io"
+
+#: The test image's name, fully qualified so the CRI plugin looks it up as is.
+IMAGE = "hostpid.test/cri-e2e:1"
+
+CALL_TIMEOUT = 60.0
+
+SHIM_SOCKET_ROOT = Path("/run/containerd/s")
+
+
+def unpacked_containerd() -> Path:
+    """
+    The directory trixie's containerd package is unpacked in (fetched once,
+    cached with the kernel matrix's packages); skips (fails in CI) when
+    Debian's archive cannot be reached.
+    """
+    from kernels import debian
+
+    try:
+        apt = debian.PrivateApt.create(CONTAINERD_SUITE, debian.machine_source())
+        apt.update()
+        return debian.unpack(apt, CONTAINERD_PACKAGE)
+    except (RuntimeError, OSError, subprocess.SubprocessError) as error:
+        skip_or_fail(f"containerd from {CONTAINERD_SUITE} could not be fetched: {error}")
+        raise AssertionError("unreachable") from error
+
+
+def compile_messages(out_dir: Path) -> ModuleType:
+    """The C{runtime_v1_pb2} module protoc makes from L{PROTO}, imported from C{out_dir}."""
+    from grpc_tools import protoc
+
+    status = protoc.main(["protoc", f"-I{PROTO.parent}", f"--python_out={out_dir}", str(PROTO)])
+    if status != 0:
+        raise AssertionError(f"protoc failed on {PROTO} ({status})")
+    spec = importlib.util.spec_from_file_location("runtime_v1_pb2", out_dir / "runtime_v1_pb2.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["runtime_v1_pb2"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+class CriClient:
+    """
+    Unary calls on C{runtime.v1.RuntimeService} and C{ImageService}, as the
+    kubelet's remote runtime makes them (gRPC over the runtime's Unix socket).
+    """
+
+    def __init__(self, socket_path: Path, messages: ModuleType) -> None:
+        import grpc
+
+        self.pb = messages
+        self.channel = grpc.insecure_channel(f"unix://{socket_path}")
+
+    def call(self, service: str, method: str, request: Any,
+             timeout: float = CALL_TIMEOUT) -> Any:
+        response_type = getattr(self.pb, f"{method}Response")
+        stub = self.channel.unary_unary(
+            f"/runtime.v1.{service}/{method}",
+            request_serializer=lambda message: message.SerializeToString(),
+            response_deserializer=response_type.FromString,
+        )
+        return stub(request, timeout=timeout)
+
+    def runtime(self, method: str, **fields: Any) -> Any:
+        return self.call("RuntimeService", method, getattr(self.pb, f"{method}Request")(**fields))
+
+    def image(self, method: str, **fields: Any) -> Any:
+        return self.call("ImageService", method, getattr(self.pb, f"{method}Request")(**fields))
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def _tar_entry(tar: tarfile.TarFile, name: str, kind: bytes, mode: int,
+               data: bytes = b"", link: str = "") -> None:
+    info = tarfile.TarInfo(name)
+    info.type, info.mode, info.linkname = kind, mode, link
+    info.mtime, info.uid, info.gid = 0, 0, 0
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data) if data else None)
+
+
+#: Busybox applets the containers' scripts use.
+APPLETS = ("sh", "sleep", "grep", "cat", "echo", "ls", "id", "test")
+
+
+def image_layer(busybox: Path, client: Path) -> bytes:
+    """
+    One uncompressed layer: busybox and its applets in /bin, the C client,
+    /tmp, and an empty /usr with the merged-/usr links, for a pod that binds
+    the host's /usr to run Python.
+    """
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for directory, mode in (("bin", 0o755), ("dev", 0o755), ("proc", 0o755),
+                                ("sys", 0o755), ("etc", 0o755), ("usr", 0o755),
+                                ("tmp", 0o1777)):
+            _tar_entry(tar, directory, tarfile.DIRTYPE, mode)
+        for link in ("lib", "lib64"):
+            _tar_entry(tar, link, tarfile.SYMTYPE, 0o777, link=f"usr/{link}")
+        _tar_entry(tar, "bin/busybox", tarfile.REGTYPE, 0o755, busybox.read_bytes())
+        for applet in APPLETS:
+            _tar_entry(tar, f"bin/{applet}", tarfile.SYMTYPE, 0o777, link="busybox")
+        _tar_entry(tar, "bin/hostpid_client", tarfile.REGTYPE, 0o755, client.read_bytes())
+    return buffer.getvalue()
+
+
+def write_image(path: Path, busybox: Path, client: Path, name: str = IMAGE) -> None:
+    """
+    An OCI image layout tarball (image-spec C{image-layout.md}) of one image
+    named C{name} (the C{io.containerd.image.name} annotation, which C{ctr
+    images import} takes as the image's name).  Its default command sleeps,
+    as a sandbox's pause process does.
+    """
+    blobs: dict[str, bytes] = {}
+
+    def blob(data: bytes) -> dict[str, Any]:
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        blobs[digest] = data
+        return {"digest": digest, "size": len(data)}
+
+    layer = image_layer(busybox, client)
+    layer_ref = blob(layer)
+    config = {
+        "architecture": "amd64", "os": "linux",
+        "config": {"Env": ["PATH=/bin"], "Cmd": ["/bin/sleep", "1000000"]},
+        "rootfs": {"type": "layers", "diff_ids": [layer_ref["digest"]]},
+    }
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                   **blob(json.dumps(config).encode())},
+        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", **layer_ref}],
+    }
+    index = {
+        "schemaVersion": 2,
+        "manifests": [{
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            **blob(json.dumps(manifest).encode()),
+            "annotations": {"io.containerd.image.name": name,
+                            "org.opencontainers.image.ref.name": name.rsplit(":", 1)[1]},
+        }],
+    }
+    with tarfile.open(path, "w") as tar:
+        _tar_entry(tar, "oci-layout", tarfile.REGTYPE, 0o644,
+                   json.dumps({"imageLayoutVersion": "1.0.0"}).encode())
+        _tar_entry(tar, "index.json", tarfile.REGTYPE, 0o644, json.dumps(index).encode())
+        for digest, data in blobs.items():
+            _tar_entry(tar, f"blobs/sha256/{digest.split(':', 1)[1]}", tarfile.REGTYPE,
+                       0o644, data)
+
+
+def config_toml(workdir: Path, runc: str) -> str:
+    """
+    containerd's configuration: everything private to C{workdir}; the CRI
+    plugin with CDI on, reading specs from C{workdir/cdi} only; the test
+    image as the sandbox image; runc through the v2 shim, cgroupfs driver.
+    No CNI configuration: the tests' sandboxes use the node's network.
+    """
+    cri = 'plugins."io.containerd.grpc.v1.cri"'
+    return f"""\
+version = 2
+root = "{workdir / 'root'}"
+state = "{workdir / 'state'}"
+disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs",
+                    "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.aufs",
+                    "io.containerd.tracing.processor.v1.otlp", "io.containerd.internal.v1.tracing"]
+
+[grpc]
+  address = "{workdir / 'containerd.sock'}"
+
+[ttrpc]
+  address = "{workdir / 'containerd.sock.ttrpc'}"
+
+[plugins."io.containerd.internal.v1.opt"]
+  path = "{workdir / 'opt'}"
+
+[{cri}]
+  sandbox_image = "{IMAGE}"
+  enable_cdi = true
+  cdi_spec_dirs = ["{workdir / 'cdi'}"]
+  disable_apparmor = true
+  enable_selinux = false
+  # The sandbox's oom_score_adj (-998) clamped to containerd's own: this
+  # machine (itself a container) does not let root lower it.
+  restrict_oom_score_adj = true
+
+[{cri}.containerd]
+  snapshotter = "overlayfs"
+  default_runtime_name = "runc"
+
+[{cri}.containerd.runtimes.runc]
+  runtime_type = "io.containerd.runc.v2"
+
+[{cri}.containerd.runtimes.runc.options]
+  BinaryName = "{runc}"
+  Root = "{workdir / 'runc'}"
+  SystemdCgroup = false
+
+[{cri}.cni]
+  bin_dir = "{workdir / 'cni' / 'bin'}"
+  conf_dir = "{workdir / 'cni' / 'net.d'}"
+"""
+
+
+def _mountpoints_under(directory: Path) -> list[str]:
+    found = []
+    with open("/proc/self/mountinfo") as mountinfo:
+        for line in mountinfo:
+            point = line.split()[4].replace("\\040", " ")
+            if point == str(directory) or point.startswith(str(directory) + "/"):
+                found.append(point)
+    return found
+
+
+def _pids_naming(marker: str) -> list[int]:
+    """Processes whose command line contains C{marker} (this run's socket path)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                if marker.encode() in cmdline.read():
+                    pids.append(int(entry))
+        except OSError:
+            continue
+    return pids
+
+
+class Containerd:
+    """One private containerd with its CRI plugin, started and torn down by the test."""
+
+    def __init__(self, workdir: Path, package: Path, image_tar: Path,
+                 messages: ModuleType) -> None:
+        self.workdir = workdir
+        self.bin = package / "usr" / "bin"
+        self.socket = workdir / "containerd.sock"
+        self.cdi_dir = workdir / "cdi"
+        self.log_dir = workdir / "pods"
+        #: The cgroup parent the test's pods get, one per run (removed at teardown).
+        self.cgroup_parent = f"/hostpid-cri-e2e-{uuid.uuid4().hex[:8]}"
+        for sub in ("cdi", "pods", "cni/bin", "cni/net.d"):
+            (workdir / sub).mkdir(parents=True, exist_ok=True)
+        self.runc = os.path.realpath(require_tool("runc"))
+        #: containerd's shims listen under C{/run/containerd/s} whatever the
+        #: configuration says (runtime/v2/shim/util_unix.go C{socketRoot});
+        #: what this run creates there is removed at teardown.
+        self._created = [d for d in (SHIM_SOCKET_ROOT.parent, SHIM_SOCKET_ROOT)
+                         if not d.exists()]
+        (workdir / "config.toml").write_text(config_toml(workdir, self.runc))
+        self.log = open(workdir / "containerd.log", "wb")  # noqa: SIM115 (closed in close())
+        env = {"PATH": f"{self.bin}:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root"}
+        self.process = subprocess.Popen(
+            [str(self.bin / "containerd"), "--config", str(workdir / "config.toml"),
+             "--log-level", "info"],
+            stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+            cwd=workdir,
+        )
+        self.client = CriClient(self.socket, messages)
+        try:
+            wait_for(self._answers, "containerd's CRI Version call", 60.0)
+            self.ctr("images", "import", "--platform", "linux/amd64", str(image_tar))
+        except BaseException:
+            self.close()
+            raise
+
+    def _answers(self) -> bool:
+        if self.process.poll() is not None:
+            raise AssertionError(f"containerd exited {self.process.returncode}:\n{self.output()}")
+        if not self.socket.exists():
+            return False
+        import grpc
+
+        try:
+            self.version = self.client.call(
+                "RuntimeService", "Version", self.client.pb.VersionRequest(version="v1"), 2.0)
+        except grpc.RpcError:
+            return False
+        return True
+
+    def ctr(self, *args: str) -> str:
+        result = subprocess.run(
+            [str(self.bin / "ctr"), "--address", str(self.socket), "--namespace", K8S_NAMESPACE,
+             *args], capture_output=True, text=True, timeout=CALL_TIMEOUT, check=False,
+        )
+        assert result.returncode == 0, (args, result.stdout, result.stderr)
+        return result.stdout
+
+    def output(self) -> str:
+        return (self.workdir / "containerd.log").read_text(errors="replace")
+
+    def close(self) -> None:
+        """Stop containerd and its shims, unmount and remove what they left."""
+        self.client.close()
+        # Containers the test did not remove (a failed call): their processes first.
+        runc_root = self.workdir / "runc" / K8S_NAMESPACE
+        if runc_root.is_dir():
+            for container_id in os.listdir(runc_root):
+                subprocess.run([self.runc, "--root", str(runc_root), "delete", "--force",
+                                container_id], capture_output=True, timeout=60, check=False)
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+        # Shims are started with this run's socket address and outlive containerd.
+        for pid in _pids_naming(str(self.socket)):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        wait_for(lambda: not _pids_naming(str(self.socket)), "the shims to exit", 15.0)
+        self._remove_shim_sockets()
+        for point in sorted(_mountpoints_under(self.workdir), key=len, reverse=True):
+            subprocess.run(["umount", "-l", point], check=False, capture_output=True)
+        subprocess.run(["rm", "-rf", "--one-file-system", "--", str(self.workdir)],
+                       check=False, timeout=120)
+        self._remove_cgroups()
+
+    def _remove_shim_sockets(self) -> None:
+        """
+        The sockets of this run's shims: C{sha256(address/namespace/id)} for
+        each task id (runtime/v2/shim/util_unix.go C{SocketAddress}).
+        """
+        tasks = self.workdir / "state" / "io.containerd.runtime.v2.task" / K8S_NAMESPACE
+        for task_id in os.listdir(tasks) if tasks.is_dir() else []:
+            name = hashlib.sha256(f"{self.socket}/{K8S_NAMESPACE}/{task_id}".encode()).hexdigest()
+            path = SHIM_SOCKET_ROOT / name
+            if path.is_socket():
+                path.unlink()
+        for directory in reversed(self._created):
+            try:
+                directory.rmdir()
+            except OSError:
+                pass
+
+    def _remove_cgroups(self) -> None:
+        """The cgroup parent's directories (empty once the containers are gone), deepest first."""
+        root = Path("/sys/fs/cgroup")
+        for hierarchy in [root, *root.iterdir()] if root.is_dir() else []:
+            top = hierarchy / self.cgroup_parent.lstrip("/")
+            if not top.is_dir():
+                continue
+            for directory in sorted((p for p in top.rglob("*") if p.is_dir()),
+                                    key=lambda p: len(p.parts), reverse=True):
+                try:
+                    directory.rmdir()
+                except OSError:
+                    pass
+            try:
+                top.rmdir()
+            except OSError:
+                pass
+
+
+@contextmanager
+def running_containerd(image_tar: Path, messages: ModuleType,
+                       package: Path | None = None) -> Iterator[Containerd]:
+    workdir = Path(tempfile.mkdtemp(prefix="hostpid-cri-", dir="/tmp"))
+    os.chmod(workdir, 0o711)
+    daemon = Containerd(workdir, package or unpacked_containerd(), image_tar, messages)
+    try:
+        yield daemon
+    finally:
+        daemon.close()
+
+
+def read_cri_log(path: Path) -> tuple[str, str]:
+    """
+    Stdout and stderr from a CRI log file: lines C{TIMESTAMP STREAM TAG
+    TEXT}, C{TAG} C{F} for a full line and C{P} for a partial one (the CRI
+    logging format containerd writes and the kubelet reads).
+    """
+    streams: dict[str, list[str]] = {"stdout": [], "stderr": []}
+    pending: dict[str, str] = {"stdout": "", "stderr": ""}
+    for line in path.read_text(errors="replace").splitlines():
+        _, stream, tag, text = (line.split(" ", 3) + [""])[:4]
+        if tag == "P":
+            pending[stream] += text
+            continue
+        streams[stream].append(pending[stream] + text)
+        pending[stream] = ""
+    return ("".join(f"{line}\n" for line in streams["stdout"]),
+            "".join(f"{line}\n" for line in streams["stderr"]))
+
+
+def wait_exited(client: CriClient, container_id: str, timeout: float = 60.0) -> Any:
+    """The container's status once it has exited (bounded poll of ContainerStatus)."""
+    exited = client.pb.CONTAINER_EXITED
+
+    def status() -> Any:
+        response = client.runtime("ContainerStatus", container_id=container_id, verbose=True)
+        return response if response.status.state == exited else None
+
+    return wait_for(status, f"container {container_id} to exit", timeout)
+
+
+def build_static_client(out_dir: Path) -> Path:
+    """The C contract client, linked statically: the image has no C library."""
+    from clienttools import build_c_client
+
+    return build_c_client(out_dir, static=True)
+
+
+def static_busybox() -> Path:
+    """Debian's static busybox (C{busybox-static}); the image has no C library."""
+    for candidate in ("/bin/busybox", "/usr/bin/busybox"):
+        path = Path(candidate)
+        if path.is_file():
+            # ldd fails on a static executable ("not a dynamic executable").
+            linked = subprocess.run(["ldd", candidate], capture_output=True, check=False)
+            if linked.returncode != 0:
+                return path
+    skip_or_fail("this test needs Debian's busybox-static (a static /bin/busybox)")
+    raise AssertionError("unreachable")

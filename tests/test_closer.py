@@ -1,0 +1,268 @@
+"""
+The disposer process that closes what clients passed (hostpid.broker.closer),
+with real processes and real lingering sockets: a tenant's descriptor is
+disarmed in milliseconds, a disposer that stops making progress is abandoned
+and replaced, abandoned disposers are bounded, and nothing the disposer does
+queues a signal in the broker.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from attackers import LINGERING_SOCKET
+from support import wait_for
+from twisted.internet.testing import MemoryReactorClock
+
+from hostpid.broker.closer import BackgroundCloser
+from hostpid.broker.closewatch import CloseWatch
+
+pytestmark = pytest.mark.kernel
+
+#: As long as a socket can linger: only a disarmed or interrupted close ends sooner.
+LINGER = 2**31 - 1
+
+
+@pytest.fixture
+def attacker():
+    """The attack's lingering sockets, made in this process (their peers kept)."""
+    made: dict[str, object] = {"socket": socket, "struct": __import__("struct"), "time": time}
+    exec(LINGERING_SOCKET, made)
+    yield made
+    for held in made["keep"]:  # type: ignore[attr-defined]
+        held.close()
+
+
+def nested(attacker) -> tuple[int, socket.socket]:
+    """A Unix socket whose queue holds a lingering TCP socket's last reference."""
+    import array
+
+    tcp = attacker["lingering"](LINGER)  # type: ignore[operator]
+    outer, peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    peer.sendmsg([b"n"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [tcp.fileno()]))])
+    tcp.close()
+    return outer.detach(), peer
+
+
+def never_reads(channel: int) -> subprocess.Popen[bytes]:
+    """A disposer that takes nothing and closes nothing: stuck from the start."""
+    return subprocess.Popen(
+        [sys.executable, "-I", "-S", "-c", "import time; time.sleep(600)"],
+        pass_fds=(channel,), stdin=subprocess.DEVNULL,
+    )
+
+
+def sig_queue() -> tuple[int, int]:
+    """This process's UID's queued signals and its limit, from /proc/self/status."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("SigQ:"):
+                queued, limit = line.split()[1].split("/")
+                return int(queued), int(limit)
+    raise AssertionError("no SigQ line")
+
+
+def test_a_lingering_socket_nested_in_a_passed_one_is_disarmed_at_once(attacker) -> None:
+    """
+    The disposer drains the outer Unix socket and resets the lingering TCP
+    socket it finds there: the close is over in milliseconds, while the
+    attacker (its peer that never reads, its listener) is still there.
+    Before, a closer thread waited for the watchdog's second look (about
+    40 ms) per descriptor, about 50 a second with two threads.
+    """
+    closer = BackgroundCloser(reactor=MemoryReactorClock(), watch=CloseWatch())
+    fds = []
+    peers = []
+    for _ in range(20):
+        fd, peer = nested(attacker)
+        fds.append(fd)
+        peers.append(peer)
+    started = time.monotonic()
+    for fd in fds:
+        closer.submit(fd)
+    wait_for(lambda: closer.closed == 20, "the disposer to close all twenty", timeout=10)
+    took = time.monotonic() - started
+    assert closer.disarmed >= 40, "each outer socket drained and its TCP socket reset"
+    assert closer.pending == 0
+    # The bound is generous for a shared machine; the point is that no close
+    # waited for a linger (2**31 - 1 s) or for an interrupt per descriptor.
+    assert took < 5, f"twenty closes took {took:.2f}s"
+    for peer in peers:
+        peer.close()
+    closer.stop()
+
+
+def test_the_disposer_interrupts_a_close_it_cannot_disarm(attacker) -> None:
+    """
+    A lingering socket nested deeper than the disposer drains (here: the
+    disposer told to drain nothing) is interrupted by its timer, not
+    waited for.
+    """
+    from hostpid.broker import closer as closermodule
+
+    source = closermodule._SOURCE.replace("MAX_DEPTH = 4", "MAX_DEPTH = 0")
+
+    def shallow(channel: int) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", source, str(channel), str(os.getpid())],
+            pass_fds=(channel,), stdin=subprocess.DEVNULL,
+        )
+
+    closer = BackgroundCloser(reactor=MemoryReactorClock(), watch=CloseWatch(), spawn=shallow)
+    fd, peer = nested(attacker)
+    closer.submit(fd)
+    wait_for(lambda: closer.closed == 1, "the interrupted close to return", timeout=10)
+    assert closer.interrupted >= 1 and closer.disarmed == 0
+    peer.close()
+    closer.stop()
+
+
+def test_a_disposer_that_makes_no_progress_is_abandoned_and_replaced() -> None:
+    """
+    A disposer stuck in a close that ignores signals (played here by one
+    that never reads) is killed once STUCK_AFTER passes with descriptors
+    owed and no close finished; a fresh one closes what comes next.
+    """
+    clock = MemoryReactorClock()
+    spawned: list[subprocess.Popen[bytes]] = []
+
+    def first_stuck(channel: int) -> subprocess.Popen[bytes]:
+        from hostpid.broker.closer import spawn_disposer
+
+        process = never_reads(channel) if not spawned else spawn_disposer(channel)
+        spawned.append(process)
+        return process
+
+    closer = BackgroundCloser(
+        limit=2, reactor=clock, watch=CloseWatch(), stuckAfter=0.5, spawn=first_stuck
+    )
+    read, write = os.pipe()
+    closer.submit(read)
+    assert (closer.pending, closer.saturated) == (1, False)
+    clock.advance(0.5)
+    assert closer.closed == 1 and closer.pending == 0, "the stuck disposer's debt written off"
+    assert spawned[0].wait(timeout=10) == -signal.SIGKILL
+    read2, write2 = os.pipe()
+    closer.submit(read2)
+    wait_for(lambda: closer.closed == 2, "the fresh disposer to close the pipe")
+    with pytest.raises(BrokenPipeError):
+        os.write(write2, b"x")
+    os.close(write)
+    os.close(write2)
+    assert len(spawned) == 2
+    closer.stop()
+
+
+def test_interrupts_queue_no_signal_in_the_broker(attacker) -> None:
+    """
+    Interrupting lingering closes costs the broker's UID no queued signal:
+    the disposer's timer is a standard signal in its own process.  Before,
+    the watchdog queued a real-time signal at every look into every busy
+    close, forever, charged to UID 0's RLIMIT_SIGPENDING.
+    """
+    closer = BackgroundCloser(reactor=MemoryReactorClock(), watch=CloseWatch())
+    queued_before, _ = sig_queue()
+    peers = []
+    for _ in range(10):
+        fd, peer = nested(attacker)
+        peers.append(peer)
+        closer.submit(fd)
+    wait_for(lambda: closer.closed == 10, "the disposer to close all ten", timeout=10)
+    queued, _ = sig_queue()
+    assert queued <= queued_before + 4, (queued_before, queued)
+    for peer in peers:
+        peer.close()
+    closer.stop()
+
+
+def test_a_disposer_that_cannot_start_is_not_counted_and_is_tried_again() -> None:
+    """
+    A disposer that fails to start (here: the system refuses the process) is
+    not counted as running; the descriptor waits in the broker, counted,
+    and the next look starts one.  Before, a closer thread that failed to
+    start was still counted as running, so none was ever started again.
+    """
+    clock = MemoryReactorClock()
+    refusals = [OSError(11, "Resource temporarily unavailable")]
+
+    def refused_once(channel: int) -> subprocess.Popen[bytes]:
+        from hostpid.broker.closer import spawn_disposer
+
+        if refusals:
+            raise refusals.pop()
+        return spawn_disposer(channel)
+
+    closer = BackgroundCloser(reactor=clock, watch=CloseWatch(), spawn=refused_once)
+    read, write = os.pipe()
+    closer.submit(read)
+    assert (closer.started, closer.spawnFailures, len(closer.held), closer.pending) == (0, 1, 1, 1)
+    assert closer.disposerPid is None
+    clock.advance(closer.stuckAfter)
+    assert closer.started == 1 and not closer.held
+    wait_for(lambda: closer.closed == 1, "the disposer started on the next look to close it")
+    with pytest.raises(BrokenPipeError):
+        os.write(write, b"x")
+    os.close(write)
+    closer.stop()
+
+
+def test_a_replaced_handler_is_said_once_and_ends_the_bound() -> None:
+    """
+    An embedding application that installs its own handler for the
+    watchdog's signal after start takes the close bound away: the watch
+    says so once, as an error, and no longer counts as active.  Before, the
+    bound was lost silently.
+    """
+    from twisted.logger import globalLogPublisher
+
+    watch = CloseWatch(signum=int(signal.SIGRTMIN) + 6)
+    assert watch.install(), watch.reason
+    seen: list[dict[str, object]] = []
+    globalLogPublisher.addObserver(seen.append)
+    previous = signal.getsignal(watch.signum)
+    try:
+        assert watch.checkHandler() is True
+        signal.signal(watch.signum, lambda signum, frame: None)
+        assert watch.checkHandler() is False
+        assert watch.checkHandler() is False
+    finally:
+        signal.signal(watch.signum, previous)
+        globalLogPublisher.removeObserver(seen.append)
+    said = [e for e in seen if "no longer bounded" in str(e.get("log_format"))]
+    assert len(said) == 1, seen
+    assert watch.handlerLost and not watch.active
+
+
+def test_a_busy_close_is_signalled_a_bounded_number_of_times() -> None:
+    """
+    A close that outlasts its interrupts is signalled at most
+    INTERRUPTS_PER_CLOSE times, however long it lasts: a real-time signal
+    queues one entry per send against the UID's RLIMIT_SIGPENDING, shared by
+    every root process on the node.  Before, one was sent at every look.
+    """
+    from hostpid.broker.closewatch import INTERRUPTS_PER_CLOSE
+
+    watch = CloseWatch(signum=int(signal.SIGRTMIN) + 7, stuckAfter=3600)
+    assert watch.install(), watch.reason
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, [watch.signum])
+    try:
+        guard = watch.guard("this thread")
+        guard.closes += 1
+        guard.busy = True
+        queued_before, _ = sig_queue()
+        for _ in range(50):
+            watch.look()
+        queued, _ = sig_queue()
+        guard.busy = False
+        assert watch.interrupted == INTERRUPTS_PER_CLOSE
+        # Blocked here, so every signal sent is still queued.
+        assert queued - queued_before == INTERRUPTS_PER_CLOSE, (queued_before, queued)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        watch.forget(guard)

@@ -1,0 +1,299 @@
+"""
+The systemd install a person follows (C{docs/operations.md}, "Under
+systemd"), performed as written in a fresh root, and the unit as installed.
+
+- The documented block runs as written, with C{bash -euo pipefail}, from a
+  copy of this checkout, with its three variables (C{PYTHON}, C{PREFIX},
+  C{UNIT_DIR}) pointing into a temporary root instead of C{/opt} and
+  C{/etc}: the system's C{python3 -m venv}, C{pip install .} (dependencies
+  from the configured index), the plugin cache, the unit rewritten to the
+  prefix.
+- C{systemd-analyze verify} accepts the installed unit, whose C{ExecStart}
+  names the environment's C{twistd}; that command runs (C{--help}), from the
+  environment alone (no C{PYTHONPATH}).
+- The plugin cache: with the whole environment read-only (what
+  C{ProtectSystem=strict} makes it), the broker starts without "Unable to
+  write to plugin cache"; without the cache the same start logs it (so the
+  check can fail).
+- C{ProtectProc=invisible}: on kernels without C{SO_PEERPIDFD} the broker
+  reads C{/proc/PID/stat} of callers of any UID; under a C{/proc} mounted
+  C{hidepid=invisible} only group 0's exemption lets a root without
+  capabilities see them, so the unit keeps group 0 (a control run without
+  the exemption is refused).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import attrs
+import pytest
+from support import (
+    REPO,
+    WAIT_SECONDS,
+    as_user_argv,
+    require_root,
+    require_tool,
+    skip_or_fail,
+    subprocess_env,
+    twistd_argv,
+    wait_for,
+)
+from test_deploy import UNIT, restricted_prefix, unit_value, unit_values
+from test_doc_examples import parse
+
+#: The Python the documented install uses on Debian 12: the system's.
+SYSTEM_PYTHON = Path("/usr/bin/python3")
+#: What Twisted logs when it cannot save the plugin cache.
+CACHE_COMPLAINT = "Unable to write to plugin cache"
+#: The path the shipped unit names, which the install rewrites to its prefix.
+SHIPPED_PREFIX = "/opt/hostpid"
+#: A clean environment for the installed commands: nothing of this checkout.
+CLEAN_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def install_block() -> str:
+    """The block the docs mark as run by this file."""
+    blocks, _ = parse(REPO / "docs" / "operations.md")
+    (block,) = [b for b in blocks if b.reason is not None and "tests/test_install.py" in b.reason]
+    assert block.language == "sh"
+    return block.code
+
+
+@attrs.frozen
+class Installed:
+    root: Path
+    prefix: Path
+    unit: Path
+    log: str
+
+    @property
+    def exec_start(self) -> list[str]:
+        lines = [line for line in self.unit.read_text().splitlines()
+                 if line.startswith("ExecStart=")]
+        (line,) = lines
+        return shlex.split(line.removeprefix("ExecStart="))
+
+    @property
+    def plugin_cache(self) -> Path:
+        (cache,) = self.prefix.glob("venv/lib/python3*/site-packages/twisted/plugins/dropin.cache")
+        return cache
+
+
+def system_python() -> Path:
+    if not SYSTEM_PYTHON.exists():
+        skip_or_fail(f"{SYSTEM_PYTHON} is missing: the documented install uses the system's")
+    done = subprocess.run(
+        [SYSTEM_PYTHON, "-c", "import sys, venv, ensurepip; print(sys.version_info >= (3, 11))"],
+        capture_output=True, text=True, timeout=60)
+    if done.stdout.strip() != "True":
+        skip_or_fail(f"{SYSTEM_PYTHON} is older than 3.11 or has no venv/ensurepip: "
+                     f"{done.stderr.strip() or done.stdout.strip()}")
+    return SYSTEM_PYTHON
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
+    """The documented steps, once, in a fresh root."""
+    require_root()
+    python = system_python()
+    root = tmp_path_factory.mktemp("root")
+    checkout = root / "src" / "hostpid"
+    shutil.copytree(REPO, checkout, ignore=shutil.ignore_patterns(
+        ".git", "build", "dist", "*.egg-info", "__pycache__", ".venv", ".tox", ".pytest_cache",
+        ".hypothesis", "dropin.cache"))
+    prefix = root / "opt" / "hostpid"
+    unit_dir = root / "etc" / "systemd" / "system"
+    unit_dir.mkdir(parents=True)
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    env.update(PATH=f"{Path(python).parent}:{CLEAN_PATH}", PYTHON=str(python),
+               PREFIX=str(prefix), UNIT_DIR=str(unit_dir))
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", install_block()], cwd=checkout,
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return Installed(root, prefix, unit_dir / UNIT.name, done.stdout + done.stderr)
+
+
+def test_the_install_block_is_the_documented_one() -> None:
+    """The variables the test sets are the ones the docs name, with these defaults."""
+    block = install_block()
+    assert "PREFIX=${PREFIX:-/opt/hostpid}" in block
+    assert "UNIT_DIR=${UNIT_DIR:-/etc/systemd/system}" in block
+    assert "PYTHON=${PYTHON:-python3}" in block
+    assert unit_value("ExecStart").startswith(f"{SHIPPED_PREFIX}/venv/bin/twistd ")
+
+
+def test_the_installed_unit_names_the_environment_and_verifies(installed: Installed) -> None:
+    argv = installed.exec_start
+    assert argv[0] == str(installed.prefix / "venv" / "bin" / "twistd")
+    assert Path(argv[0]).is_file() and os.access(argv[0], os.X_OK)
+    assert argv[1:4] == ["--nodaemon", "--pidfile=", "hostpid-broker"]
+    text = installed.unit.read_text()
+    assert text == UNIT.read_text().replace(f"{SHIPPED_PREFIX}/", f"{installed.prefix}/"), \
+        "every path of the prefix rewritten, nothing else"
+    assert oct(installed.unit.stat().st_mode & 0o777) == "0o644"
+    analyze = require_tool("systemd-analyze")
+    done = subprocess.run([analyze, "verify", str(installed.unit)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout + done.stderr == ""
+
+
+def test_the_installed_exec_start_runs_from_the_environment_alone(installed: Installed) -> None:
+    env = {"PATH": CLEAN_PATH}
+    done = subprocess.run([*installed.exec_start, "--help"], env=env, cwd=installed.root,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "--log-format" in done.stdout and "--directory" in done.stdout
+    where = subprocess.run(
+        [str(installed.prefix / "venv" / "bin" / "python"), "-c",
+         "import hostpid, twisted.plugins.hostpid_broker as p; print(hostpid.__file__); "
+         "print(p.__file__)"],
+        env=env, cwd=installed.root, capture_output=True, text=True, timeout=60)
+    assert where.returncode == 0, where.stderr
+    assert all(line.startswith(str(installed.prefix)) for line in where.stdout.splitlines()), \
+        where.stdout
+
+
+@attrs.frozen
+class Started:
+    returncode: int
+    output: str
+
+
+def start_read_only(installed: Installed, directory: Path) -> Started:
+    """
+    The installed ExecStart's broker (gate off: it starts, says so, serves
+    nothing), in a private mount namespace where the whole prefix is
+    read-only, as C{ProtectSystem=strict} makes it; stopped with SIGTERM.
+    """
+    unshare = require_tool("unshare")
+    script = ('mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" "$1" && shift && '
+              'exec "$@"')
+    argv = [unshare, "--mount", "--propagation", "private", "--", "sh", "-c", script, "sh",
+            str(installed.prefix), *installed.exec_start[:4], "--directory", str(directory)]
+    log = directory.parent / f"{directory.name}.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(argv, env={"PATH": CLEAN_PATH, "LIBVGPU_HOSTPID_BROKER": "0"},
+                                   stdin=subprocess.DEVNULL, stdout=out,
+                                   stderr=subprocess.STDOUT, cwd=installed.root)
+    try:
+        wait_for(lambda: process.poll() is not None or "disabled" in log.read_text(),
+                 "the broker to say it is disabled")
+        process.send_signal(signal.SIGTERM)
+        returncode = process.wait(timeout=WAIT_SECONDS)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    return Started(returncode, log.read_text())
+
+
+def test_the_plugin_cache_is_written_at_install(installed: Installed, tmp_path: Path) -> None:
+    cache = installed.plugin_cache
+    assert cache.stat().st_uid == 0 and cache.stat().st_size > 0
+    started = start_read_only(installed, tmp_path / "with-cache")
+    assert started.returncode == -signal.SIGTERM, started.output
+    assert "hostpid-broker: disabled" in started.output
+    assert CACHE_COMPLAINT not in started.output
+    # Without the cache, the same start cannot save it and says so: the check above can fail.
+    aside = tmp_path / "dropin.cache"
+    shutil.move(cache, aside)
+    try:
+        started = start_read_only(installed, tmp_path / "without-cache")
+    finally:
+        shutil.move(aside, cache)
+    assert started.returncode == -signal.SIGTERM, started.output
+    assert CACHE_COMPLAINT in started.output
+
+
+# --- ProtectProc=invisible: the broker still reads other users' /proc entries -----------
+
+
+def test_the_unit_keeps_group_0_under_protect_proc() -> None:
+    """
+    C{ProtectProc=invisible} hides from the service what it may not ptrace,
+    except for group 0 (procfs's C{gid=}, which systemd leaves at 0): the
+    broker must keep group 0 to read its callers' C{/proc/PID/stat}.
+    """
+    assert unit_value("ProtectProc") == "invisible"
+    for key in ("Group", "User", "DynamicUser", "SupplementaryGroups"):
+        assert unit_values(key) == [], f"{key}= must not be set"
+
+
+#: A UID 1000 caller that sends its request a few clock ticks after connecting, so
+#: that the broker's pidfd_open check cannot settle within the accept's tick and reads
+#: the caller's start time from /proc; prints the reply's length and status.
+LATE_CALLER = """
+import socket, sys, time
+from hostpid import wire
+with socket.socket(socket.AF_UNIX) as s:
+    s.settimeout(5)
+    s.connect(sys.argv[1])
+    time.sleep(0.05)
+    s.sendall(wire.GET_HOST_PID_REQUEST)
+    reply = b""
+    while chunk := s.recv(64):
+        reply += chunk
+print(len(reply), wire.parse_response(reply).status if len(reply) == 12 else "-")
+"""
+
+
+@pytest.mark.parametrize("options, answered", [
+    ("hidepid=invisible", True),
+    # The control: group 0 no longer exempt, the caller's entry is hidden.
+    ("hidepid=invisible,gid=4242", False),
+], ids=["as ProtectProc=invisible mounts it", "without the group 0 exemption"])
+def test_the_broker_reads_other_users_start_times_under_protect_proc(
+    public_tmp: Path, options: str, answered: bool
+) -> None:
+    """
+    The broker as the unit runs it (root, group 0, no capability,
+    no_new_privs) with the C{pidfd_open} liveness check of kernels before
+    6.5, over a C{/proc} mounted as C{ProtectProc=invisible} mounts it, in
+    its own mount namespace; a UID 1000 caller whose request comes a few
+    ticks after its connect is answered.  Without group 0's exemption the
+    same caller is refused (its start time cannot be read, so the broker
+    takes it for gone): what the unit's comment warns of.
+    """
+    require_root()
+    unshare = require_tool("unshare")
+    directory = public_tmp / "broker"
+    script = 'mount -t proc -o "$1" proc /proc && shift && exec "$@"'
+    argv = [unshare, "--mount", "--propagation", "private", "--", "sh", "-c", script, "sh",
+            options, *restricted_prefix(), *twistd_argv("--directory", str(directory))]
+    env = subprocess_env(LIBVGPU_HOSTPID_BROKER="1",
+                         HOSTPID_BROKER_TEST_LIVENESS="pidfd_open")
+    with broker_process(argv, env, public_tmp / "broker.log") as log:
+        socket_path = directory / "broker.sock"
+        wait_for(lambda: "listening on" in log.read_text(), "the broker to listen")
+        caller = subprocess.run(
+            as_user_argv(1000, [sys.executable, "-c", LATE_CALLER, str(socket_path)]),
+            env=subprocess_env(), capture_output=True, text=True, timeout=60)
+        assert caller.returncode == 0, caller.stderr
+        assert caller.stdout.split() == (["12", "0"] if answered else ["0", "-"]), \
+            log.read_text()
+
+
+@contextlib.contextmanager
+def broker_process(argv: Sequence[str], env: dict[str, str], log: Path) -> Iterator[Path]:
+    with log.open("wb") as out:
+        process = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                   stderr=subprocess.STDOUT)
+    try:
+        yield log
+        assert process.poll() is None, log.read_text()
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=WAIT_SECONDS)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
