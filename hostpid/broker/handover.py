@@ -301,7 +301,10 @@ def take_over(
         pid, problem = peer_problem(connection, expected_uid)
         if problem is not None:
             raise HandoverFailed(f"{path}: {problem}")
-        connection.sendall(encode(Message(Kind.ASK)))
+        try:
+            connection.sendall(encode(Message(Kind.ASK)))
+        except OSError:
+            pass  # refused at once: the refusal, already sent, says why
         try:
             message, fds = _receive(connection)
         except OSError as e:

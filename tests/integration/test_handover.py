@@ -176,7 +176,10 @@ POSER = textwrap.dedent(
     except OSError as e:
         print("connect", e.errno, flush=True)
         sys.exit(0)
-    sock.sendall(handover.encode(handover.Message(handover.Kind.ASK)))
+    try:
+        sock.sendall(handover.encode(handover.Message(handover.Kind.ASK)))
+    except BrokenPipeError:
+        pass  # refused at accept: the refusal is waiting to be read
     data, fds, _, _ = socket.recv_fds(sock, handover.MESSAGE_SIZE, 4)
     message = handover.decode(data) if len(data) == handover.MESSAGE_SIZE else None
     print(message.kind.name if message else "closed", len(fds), message.reason if message else "",
