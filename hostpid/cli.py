@@ -8,16 +8,20 @@ unavailable, 2 usage).  No rule lives here.
 
 from __future__ import annotations
 
-import argparse
 import math
-import re
 import sys
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, NoReturn, TextIO
 
 from hostpid import defaults, version
 
+# Nothing heavier than that at import: C{hostpid probe} (an exec probe, a
+# fresh interpreter every few seconds on every node) parses its two options
+# by hand (L{_probe_arguments}) and loads neither argparse nor typing.
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    import argparse
+    from collections.abc import Callable, Sequence
+    from typing import NoReturn, TextIO
+
     from hostpid.client.trust import CheckResult, HostPidUnavailable
 
 #: The distribution whose version C{--version} prints.
@@ -53,7 +57,7 @@ def _query(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     return 0
 
 
-def _probe(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
+def _probe(args: argparse.Namespace | _ProbeArguments, stdout: TextIO, stderr: TextIO) -> int:
     """
     C{hostpid probe}: the operator's check of a running broker (and a
     container exec probe): one transaction, healthy only when the broker
@@ -61,11 +65,12 @@ def _probe(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     decides nothing here; the healthy line reports it, so that an operator
     sees at once whether a workload with this environment would ask.
     """
-    from hostpid.client import blocking as client
+    from hostpid.client import transaction
+    from hostpid.client.trust import HostPidUnavailable
 
     try:
-        report = client.probe(args.socket, args.timeout, trusted_uid=args.trusted_uid)
-    except client.HostPidUnavailable as problem:
+        report = transaction.probe(args.socket, args.timeout, trusted_uid=args.trusted_uid)
+    except HostPidUnavailable as problem:
         stderr.write(_failure_line("probe", problem, args.socket))
         return 1
     gate = f"gate here: {report.gate.observed}"
@@ -258,7 +263,7 @@ def _cdi(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     return 0
 
 
-def _add_cdi_parser(commands: argparse._SubParsersAction[_Parser]) -> None:
+def _add_cdi_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from hostpid.node import cdi
 
     parser = _subcommand(
@@ -288,6 +293,17 @@ def _add_cdi_parser(commands: argparse._SubParsersAction[_Parser]) -> None:
 MAX_TIMEOUT = 3600.0
 
 
+def _seconds_value(text: str) -> float | None:
+    """A finite number of seconds in (0, L{MAX_TIMEOUT}], or C{None}."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT):
+        return None
+    return value
+
+
 def _seconds(option: str) -> Callable[[str], float]:
     """
     An argparse type for a finite number of seconds in (0, L{MAX_TIMEOUT}]
@@ -295,13 +311,11 @@ def _seconds(option: str) -> Callable[[str], float]:
     prefix, which L{_Parser} folds): C{nan}, C{inf}, 0, negative numbers and
     C{1e12} are usage errors (exit 2), never a traceback.
     """
+    import argparse
 
     def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT):
+        value = _seconds_value(text)
+        if value is None:
             raise argparse.ArgumentTypeError(
                 f"{option} must be a positive number of seconds, at most {MAX_TIMEOUT:g}, "
                 f"got {text!r}"
@@ -311,23 +325,35 @@ def _seconds(option: str) -> Callable[[str], float]:
     return parse
 
 
-class _Parser(argparse.ArgumentParser):
-    """
-    One line for a usage error, naming the option: C{hostpid query: --timeout
-    must be ...}, after the usage line, exit status 2.
-    """
+def _parser_class() -> type[argparse.ArgumentParser]:
+    """The argument parser, made only when a command needs one."""
+    import argparse
+    import re
 
-    def error(self, message: str) -> NoReturn:
-        named = re.fullmatch(r"argument (--[\w-]+): (\1 .*)", message, re.DOTALL)
-        if named is not None:
-            message = named.group(2)
-        self.print_usage(sys.stderr)
-        self.exit(2, f"{self.prog}: {message}\n")
+    class _Parser(argparse.ArgumentParser):
+        """
+        One line for a usage error, naming the option: C{hostpid query:
+        --timeout must be ...}, after the usage line, exit status 2.
+        """
+
+        def error(self, message: str) -> NoReturn:
+            named = re.fullmatch(r"argument (--[\w-]+): (\1 .*)", message, re.DOTALL)
+            if named is not None:
+                message = named.group(2)
+            self.print_usage(sys.stderr)
+            self.exit(2, f"{self.prog}: {message}\n")
+
+    return _Parser
 
 
 def _subcommand(
-    commands: argparse._SubParsersAction[_Parser], name: str, summary: str, description: str
-) -> _Parser:
+    commands: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    summary: str,
+    description: str,
+) -> argparse.ArgumentParser:
+    import argparse
+
     return commands.add_parser(
         name,
         help=summary,
@@ -357,13 +383,21 @@ def _host_path_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _uid(value: str) -> int:
+def _uid_value(value: str) -> int | None:
     """A UID: a whole number from 0 to 2**32 - 2 (the kernel's (uid_t)-1 means none)."""
     try:
         uid = int(value)
     except ValueError:
-        uid = -1
-    if not 0 <= uid < 2**32 - 1:
+        return None
+    return uid if 0 <= uid < 2**32 - 1 else None
+
+
+def _uid(value: str) -> int:
+    """L{_uid_value} as an argparse type, whose error names the option."""
+    import argparse
+
+    uid = _uid_value(value)
+    if uid is None:
         raise argparse.ArgumentTypeError(f"--trusted-uid must be a UID, got {value!r}")
     return uid
 
@@ -376,7 +410,7 @@ def _timeout_option(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = _parser_class()(
         prog="hostpid",
         description="Host PID broker client and allocation helpers "
         "(the broker itself is `twistd hostpid-broker`).",
@@ -469,11 +503,62 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _ProbeArguments:
+    """C{hostpid probe}'s options, as L{_probe} reads them."""
+
+    def __init__(self, socket: str, timeout: float, trusted_uid: int) -> None:
+        self.socket = socket
+        self.timeout = timeout
+        self.trusted_uid = trusted_uid
+
+
+def _probe_arguments(argv: Sequence[str]) -> _ProbeArguments | None:
+    """
+    C{probe [--socket PATH] [--timeout S] [--trusted-uid UID]} (each also as
+    C{--opt=value}) parsed
+    without argparse, or C{None} for anything else, which then goes to the
+    full parser: help, a usage error, an abbreviation, a value that starts
+    with C{-}.  So the probe's behaviour is the parser's, at a fraction of
+    its import cost.
+    """
+    if not argv or argv[0] != "probe":
+        return None
+    options = {"--socket": defaults.BROKER_SOCKET, "--timeout": None, "--trusted-uid": None}
+    words = list(argv[1:])
+    while words:
+        name, equals, value = words.pop(0).partition("=")
+        if name not in options:
+            return None
+        if not equals:
+            if not words:
+                return None
+            value = words.pop(0)
+        if not value or value.startswith("-"):
+            return None
+        options[name] = value
+    timeout = defaults.DEADLINE
+    if options["--timeout"] is not None:
+        seconds = _seconds_value(options["--timeout"])
+        if seconds is None:
+            return None
+        timeout = seconds
+    uid = 0
+    if options["--trusted-uid"] is not None:
+        parsed = _uid_value(options["--trusted-uid"])
+        if parsed is None:
+            return None
+        uid = parsed
+    return _ProbeArguments(str(options["--socket"]), timeout, uid)
+
+
 def main(
     argv: Sequence[str] | None = None,
     stdout: TextIO | None = None,
     stderr: TextIO | None = None,
 ) -> int:
+    probing = _probe_arguments(sys.argv[1:] if argv is None else argv)
+    if probing is not None:
+        return _probe(probing, stdout or sys.stdout, stderr or sys.stderr)
     args = build_parser().parse_args(argv)
     status: int = args.run(args, stdout or sys.stdout, stderr or sys.stderr)
     return status

@@ -12,6 +12,10 @@ from __future__ import annotations
 BROKER_DIRECTORY = "/var/run/hami/hostpid"
 SOCKET_NAME = "broker.sock"
 LOCK_NAME = "broker.lock"
+#: The handover control socket, beside the broker socket: root only (0600).
+#: A new broker that finds the lock held asks the running one here for its
+#: listener and lock (L{hostpid.broker.handover}).
+HANDOVER_NAME = "handover.sock"
 #: The broker's socket as the host (and the broker's own container) sees it:
 #: what C{hostpid probe} checks by default.
 BROKER_SOCKET = BROKER_DIRECTORY + "/" + SOCKET_NAME
@@ -56,4 +60,5 @@ METRICS_REQUEST_TIMEOUT = 10.0
 DIRECTORY_MODE = 0o711
 SOCKET_MODE = 0o666
 LOCK_MODE = 0o600
+HANDOVER_MODE = 0o600
 LOCK_PARENT_MODE = 0o1777

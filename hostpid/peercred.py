@@ -36,8 +36,7 @@ import socket
 import struct
 from collections.abc import Callable
 
-import attrs
-from twisted.logger import Logger
+from hostpid.values import Value
 
 try:
     # A descriptor or a socket object alike: the broker's fast path holds
@@ -48,6 +47,10 @@ except ImportError:
     _getsockopt = _socket.socket.getsockopt  # type: ignore[assignment]
 
 from hostpid.starttime import TICK_NS, boottime_ns, proc_shows_own_namespace, started_after
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from twisted.logger import Logger
 
 _UCRED = struct.Struct("3i")
 _SOL_SOCKET = int(socket.SOL_SOCKET)
@@ -62,13 +65,16 @@ _PIDFD_INFO = struct.Struct("QQI")
 _PIDFD_INFO_SIZE = 64
 
 
-@attrs.frozen
-class PeerCredentials:
+class PeerCredentials(Value):
     """C{struct ucred}: the peer's PID, UID and GID."""
 
+    __slots__ = ("pid", "uid", "gid")
     pid: int
     uid: int
     gid: int
+
+    def __init__(self, pid: int, uid: int, gid: int) -> None:
+        self._set(pid=pid, uid=uid, gid=gid)
 
 
 def peer_credentials(sock: socket.socket) -> PeerCredentials:
@@ -227,6 +233,18 @@ PEERPIDFD_GONE = frozenset({errno.EINVAL})
 PIDFD_OPEN_GONE = frozenset({errno.ESRCH, errno.EINVAL, errno.ENOENT})
 
 
+class _LazyLogger:
+    """
+    A class's C{twisted.logger.Logger}, made on first use: a client (an exec
+    probe) reads C{SO_PEERCRED} from this module without loading Twisted.
+    """
+
+    def __get__(self, instance: object, owner: type) -> Logger:
+        from twisted.logger import Logger
+
+        return Logger().__get__(instance, owner)
+
+
 class PeerIdentifier:
     """
     Finds the host PID of a connected peer, and vouches that the process that
@@ -245,7 +263,7 @@ class PeerIdentifier:
     @ivar check: the check in force, or C{None} until the first peer.
     """
 
-    log = Logger()
+    log = _LazyLogger()
 
     def __init__(
         self,

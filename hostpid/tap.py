@@ -152,6 +152,15 @@ class Options(usage.Options):
          "default."],
         ["lock-parent", None, defaults.LOCK_PARENT,
          "The host lock parent the CDI spec mounts at /tmp/vgpulock (with --cdi-dir)."],
+        ["after-handover", None, "exit",
+         "What this broker does once a newer one took its listener over: 'exit' (status 0; "
+         "systemd, a process supervisor) or 'wait' (stop serving and idle until SIGTERM: a "
+         "Kubernetes container that exited would be restarted and take the listener back)."],
+        ["ready-file", None, None,
+         "A file this broker creates once it holds the listener (bound, passed, or taken "
+         "over) and removes when it stops or hands over, for a readiness check that must "
+         "tell this broker from one it takes over from, e.g. /run/hostpid-ready/ready in a "
+         "container's own emptyDir.  Off by default."],
         ["log-format", None, "text",
          "text (twistd's) or json: one JSON object per line with time (RFC 3339, UTC), "
          "level, logger, message and the event's own fields, where twistd writes its log "
@@ -181,6 +190,10 @@ class Options(usage.Options):
                 )
             if self["metrics"]:
                 self.metricsEndpoint = parse_metrics_endpoint(self["metrics"])
+            if self["after-handover"] not in ("exit", "wait"):
+                raise BrokerStartupError(
+                    "--after-handover", f"must be 'exit' or 'wait', got {self['after-handover']!r}"
+                )
             if self["log-format"] not in logs.LOG_FORMATS:
                 raise BrokerStartupError(
                     "--log-format",
@@ -264,7 +277,12 @@ def _makeService(options: Options | dict[str, Any]) -> IService:
         allowNonHostPidNamespace=bool(options["allow-non-host-pid-namespace"]),
         prepareNode=_specPublisher(options),
         lockParent=options.get("lock-parent", defaults.LOCK_PARENT),
+        readyFile=options.get("ready-file"),
     )
+    if options.get("after-handover", "exit") == "wait":
+        # Stop serving, but leave the process (and twistd's reactor) running
+        # until the pod is deleted.
+        broker.onHandedOver = broker.stopService
     if options["metrics"]:
         from hostpid.broker.metrics import metrics_site
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import struct
 
-import attrs
+from hostpid.values import Value
 
 MAGIC = b"HPID"
 VERSION = 1
@@ -54,13 +54,18 @@ class RequestProblem(enum.Enum):
     BAD_COMMAND = "bad command"
 
 
-@attrs.frozen
-class Request:
+class Request(Value):
     """A request as it travels: C{magic}, C{version} and C{command}."""
 
-    command: int = Command.GET_HOST_PID
-    version: int = VERSION
-    magic: bytes = MAGIC
+    __slots__ = ("command", "version", "magic")
+    command: int
+    version: int
+    magic: bytes
+
+    def __init__(
+        self, command: int = Command.GET_HOST_PID, version: int = VERSION, magic: bytes = MAGIC
+    ) -> None:
+        self._set(command=command, version=version, magic=magic)
 
     def encode(self) -> bytes:
         return _REQUEST.pack(self.magic, self.version, self.command)
@@ -80,14 +85,17 @@ class Request:
         return None
 
 
-@attrs.frozen
-class Response:
+class Response(Value):
     """A response as it travels: C{magic}, C{version}, C{status}, C{pid}."""
 
+    __slots__ = ("status", "pid", "version", "magic")
     status: int
     pid: int
-    version: int = VERSION
-    magic: bytes = MAGIC
+    version: int
+    magic: bytes
+
+    def __init__(self, status: int, pid: int, version: int = VERSION, magic: bytes = MAGIC) -> None:
+        self._set(status=status, pid=pid, version=version, magic=magic)
 
     def encode(self) -> bytes:
         return _RESPONSE.pack(self.magic, self.version, self.status, self.pid)

@@ -154,6 +154,7 @@ class BrokerProcess:
         gate: str | None = "1",
         preexec_fn: Callable[[], None] | None = None,
         argv_prefix: Sequence[str] = (),
+        pass_fds: Sequence[int] = (),
     ) -> None:
         self.directory = Path(directory if directory is not None else "/var/run/hami/hostpid")
         self.socket_path = self.directory / "broker.sock"
@@ -179,6 +180,7 @@ class BrokerProcess:
             stderr=subprocess.STDOUT,
             preexec_fn=preexec_fn,
             cwd=tempfile.gettempdir(),
+            pass_fds=tuple(pass_fds),
         )
 
     @property

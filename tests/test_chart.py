@@ -301,6 +301,30 @@ def test_monitors_scrape_the_brokers_metrics_port() -> None:
         "off by default"
 
 
+def test_updates_surge_first_with_the_handover() -> None:
+    """
+    The new pod starts beside the old one and takes its listener over; Ready
+    only once its own broker holds it (the ready file, in the pod's own
+    emptyDir); the old broker idles after handing over until its pod goes.
+    """
+    ds = by_kind(render(), "DaemonSet")
+    assert ds["spec"]["updateStrategy"] == {
+        "type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    container = broker_container(ds)
+    argv = container_argv(container)
+    ready = option_value(argv, "--ready-file")
+    assert ready == "/run/hostpid-ready/ready"
+    assert option_value(argv, "--after-handover") == "wait"
+    assert f"[ -e {ready} ] && exec hostpid probe" in container["readinessProbe"]["exec"][
+        "command"][2]
+    assert "-e " not in container["livenessProbe"]["exec"]["command"][2], \
+        "liveness: the socket answers, whichever broker holds it"
+    (volume,) = [v for v in pod_spec(ds)["volumes"] if v["name"] == "ready"]  # type: ignore[index]
+    assert volume["emptyDir"]["medium"] == "Memory"
+    assert {"name": "ready", "mountPath": "/run/hostpid-ready"} in container["volumeMounts"]
+
+
 def test_values_reach_the_broker_as_options() -> None:
     """The broker's options, metrics endpoint and probes follow the values."""
     docs = render(RENDERS["everything an operator sets"])
@@ -315,7 +339,7 @@ def test_values_reach_the_broker_as_options() -> None:
     assert container["image"] == "registry.internal/hami/hostpid-broker:0.1.0-1"
     assert container["livenessProbe"]["exec"]["command"][2].endswith("--timeout 5")
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
-    assert mounts == {BROKER_DIRECTORY, "/etc/cdi", "/var/tmp"}
+    assert mounts == {BROKER_DIRECTORY, "/etc/cdi", "/var/tmp", "/run/hostpid-ready"}
     # The broker's own bound, from a values file (where Helm reads numbers as floats,
     # which its templates would print as 1.048576e+06).
     largest = render(helm.values_from_yaml("broker:\n  maxConnections: 1048576\n"))
@@ -504,10 +528,6 @@ IMPOSSIBLE: dict[str, tuple[dict[str, Any], str, str]] = {
         sets("metrics.bindAddress=127.0.0.1", "serviceMonitor.enabled=true"), RELEASE_NAMESPACE,
         "serviceMonitor.enabled=true cannot scrape metrics.bindAddress=127.0.0.1: a loopback "
         "address is reachable only inside the pod"),
-    "a surge": (
-        sets("updateStrategy.rollingUpdate.maxSurge=1"), RELEASE_NAMESPACE,
-        "updateStrategy.rollingUpdate.maxSurge=1 must be 0: a surge pod would be a second "
-        "broker on the node, find broker.lock held and crash-loop"),
     "a probe the kubelet ends before its deadline": (
         sets("livenessProbe.timeoutSeconds=3"), RELEASE_NAMESPACE,
         "livenessProbe.timeoutSeconds=3 must be at least livenessProbe.deadline=3 plus 1 s: "
@@ -634,7 +654,8 @@ def test_rollout_and_rollback_change_the_gate_and_nothing_else() -> None:
         mounts = {(m["name"], m["mountPath"], bool(m.get("readOnly")))
                   for m in container["volumeMounts"]}
         assert mounts == {("broker-dir", BROKER_DIRECTORY, False),
-                          ("cdi-dir", "/var/run/cdi", False), ("host-tmp", "/tmp", False)}
+                          ("cdi-dir", "/var/run/cdi", False), ("host-tmp", "/tmp", False),
+                          ("ready", "/run/hostpid-ready", False)}
         # Even disabled, the broker prepares the lock parent and writes the CDI spec.
         argv = container_argv(container)
         assert option_value(argv, "--log-format") == "json"

@@ -10,6 +10,7 @@ test knows in advance of nothing (C{Popen.pid}).
 
 from __future__ import annotations
 
+import argparse
 import io
 import os
 import re
@@ -97,7 +98,7 @@ class TestSelfDescription:
         parser = cli.build_parser()
         (commands,) = [
             action for action in parser._actions
-            if isinstance(action, cli.argparse._SubParsersAction)
+            if isinstance(action, argparse._SubParsersAction)
         ]
         assert set(commands.choices) == {"query", "probe", "doctor", "prepare-lock-parent", "cdi",
                                          "allocate"}
@@ -441,3 +442,57 @@ def test_probe_library_reports_what_it_checked(root_directory: Path) -> None:
     assert report.socket.observed == "socket, uid 0, mode 0666"
     assert (report.gate.name, report.gate.ok) == ("gate", True)
     assert report.gate.observed == "LIBVGPU_HOSTPID_BROKER='1'"
+
+
+class TestProbeIsCheap:
+    """
+    The exec probe runs as a fresh interpreter every few seconds on every
+    node: what it imports is its cost (bench/probe measures the CPU; this
+    keeps the heavy modules out, whatever the timing on a given machine).
+    """
+
+    HEAVY = ("attr", "attrs", "twisted", "zope", "argparse", "typing", "inspect",
+             "prometheus_client", "importlib.metadata")
+
+    def test_a_healthy_probe_loads_no_heavy_module(self, root_directory: Path) -> None:
+        code = (
+            "import sys\nfrom hostpid.cli import main\n"
+            "status = main(['probe', '--socket', sys.argv[1], '--timeout', '3'])\n"
+            f"heavy = sorted(m for m in sys.modules if m.split('.')[0] in {self.HEAVY!r} "
+            f"or m in {self.HEAVY!r})\n"
+            "print(status, heavy, file=sys.stderr)\n"
+        )
+        with running_broker(root_directory) as broker:
+            done = subprocess.run(
+                [sys.executable, "-c", code, str(broker.socket_path)], capture_output=True,
+                text=True, timeout=60, env=subprocess_env(), check=False,
+            )
+        assert done.stderr.strip().splitlines()[-1] == "0 []", done.stderr
+        assert ": ok: answered PID " in done.stdout
+
+    @pytest.mark.parametrize(
+        "argv",
+        [
+            ["probe"],
+            ["probe", "--socket", "/a/b.sock"],
+            ["probe", "--socket=/a/b.sock", "--timeout=0.25"],
+            ["probe", "--timeout", "2", "--socket", "/x", "--socket", "/y"],
+            ["probe", "--timeout", "3600"],
+        ],
+    )
+    def test_the_hand_parser_agrees_with_argparse(self, argv: list[str]) -> None:
+        fast = cli._probe_arguments(argv)
+        full = cli.build_parser().parse_args(argv)
+        assert fast is not None
+        assert (fast.socket, fast.timeout) == (full.socket, full.timeout)
+
+    @pytest.mark.parametrize(
+        "argv",
+        [
+            ["probe", "--help"], ["probe", "--sock", "/x"], ["probe", "--timeout", "0"],
+            ["probe", "--timeout", "nan"], ["probe", "--socket"], ["probe", "--socket", "-x"],
+            ["probe", "--socket="], ["probe", "extra"], ["query"], [],
+        ],
+    )
+    def test_anything_else_goes_to_argparse(self, argv: list[str]) -> None:
+        assert cli._probe_arguments(argv) is None

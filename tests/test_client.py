@@ -44,7 +44,7 @@ from support import (
 
 from hostpid import cli, defaults, wire
 from hostpid.client import blocking as client
-from hostpid.client import txclient
+from hostpid.client import transaction, txclient
 
 ENABLED = {"LIBVGPU_HOSTPID_BROKER": "1"}
 
@@ -489,14 +489,16 @@ class TestTransportRules:
         self, directory: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         made: list[tuple[socket.socket, bool, bool]] = []
-        original = client.new_socket
+        # The transport lives in hostpid.client.transaction (the probe's
+        # attrs-free path); the blocking client uses it from there.
+        original = transaction.new_socket
 
         def recording() -> socket.socket:
             sock = original()
             made.append((sock, sock.getblocking(), sock.get_inheritable()))
             return sock
 
-        monkeypatch.setattr(client, "new_socket", recording)
+        monkeypatch.setattr(transaction, "new_socket", recording)
         with fake_broker(directory, response(pid=5)):
             assert client.query_host_pid(relaxed(directory), ENABLED) == 5
         [(sock, blocking, inheritable)] = made

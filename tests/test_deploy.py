@@ -91,20 +91,34 @@ EXEC_PROBE = re.compile(
     r'\[ "\$LIBVGPU_HOSTPID_BROKER" != 1 \] \|\| '
     r"exec hostpid probe --socket (?P<socket>/\S+) --timeout (?P<deadline>[0-9.]+)"
 )
+#: The readiness probe: the same, and only while this pod's broker holds the
+#: listener (its --ready-file exists): during a surge-first update's handover
+#: the old broker answers on the same socket.
+READY_PROBE = re.compile(
+    r'\[ "\$LIBVGPU_HOSTPID_BROKER" != 1 \] \|\| \{ \[ -e (?P<ready>/\S+) \] && '
+    r"exec hostpid probe --socket (?P<socket>/\S+) --timeout (?P<deadline>[0-9.]+); \}"
+)
 #: The smallest CPU request the rules accept: 10m is the smallest CFS weight there
 #: is (what the DaemonSet once requested, starved under a flood), and 100m a small pod's.
 MIN_CPU_REQUEST_MILLICORES = 100
 
 
-def exec_probe_deadline(probe: Mapping[str, Any] | None) -> float | None:
-    """The C{--timeout} of an exec C{hostpid probe} on the broker socket, else C{None}."""
+def exec_probe_deadline(
+    probe: Mapping[str, Any] | None, ready_file: str | None = None
+) -> float | None:
+    """
+    The C{--timeout} of an exec C{hostpid probe} on the broker socket (gated
+    on C{ready_file} when given), else C{None}.
+    """
     if probe is None or set(probe) & {"httpGet", "tcpSocket", "grpc"}:
         return None
     command = probe.get("exec", {}).get("command", [])
     if len(command) != 3 or command[:2] != ["sh", "-c"]:
         return None
-    found = EXEC_PROBE.fullmatch(command[2])
+    found = (EXEC_PROBE if ready_file is None else READY_PROBE).fullmatch(command[2])
     if found is None or found["socket"] != f"{BROKER_DIRECTORY}/broker.sock":
+        return None
+    if ready_file is not None and found["ready"] != ready_file:
         return None
     return float(found["deadline"])
 
@@ -275,10 +289,16 @@ def pod_rule_violations(spec: Mapping[str, Any], where: str) -> list[str]:
                 problems.append(f"{name}: --metrics must listen on a declared containerPort")
             for kind in ("livenessProbe", "readinessProbe"):
                 probe = container.get(kind)
-                deadline = exec_probe_deadline(probe)
+                # Readiness: only while this pod's broker holds the listener.
+                ready_file = None
+                pattern = EXEC_PROBE
+                if kind == "readinessProbe":
+                    ready_file = option_value(argv, "--ready-file") or "(no --ready-file)"
+                    pattern = READY_PROBE
+                deadline = exec_probe_deadline(probe, ready_file)
                 if probe is None or deadline is None:
                     problems.append(
-                        f"{name}: {kind} must be exec sh -c '{EXEC_PROBE.pattern}' on "
+                        f"{name}: {kind} must be exec sh -c '{pattern.pattern}' on "
                         f"{BROKER_DIRECTORY}/broker.sock"
                     )
                 elif probe.get("timeoutSeconds", 1) < deadline + 1:
@@ -1004,6 +1024,11 @@ def run_daemonset_container(doc: Mapping[str, Any]) -> None:
         (directory / "broker.lock").touch(mode=0o600)
         if cdi_dir is not None:
             layout.seen_from_here(cdi_dir).mkdir(parents=True, mode=0o755, exist_ok=True)
+        # The pod's own emptyDirs (the ready file's): empty directories, as kubelet makes them.
+        empty = {v["name"] for v in doc["spec"]["template"]["spec"]["volumes"] if "emptyDir" in v}
+        for mount in container["volumeMounts"]:
+            if mount["name"] in empty:
+                layout.seen_from_here(mount["mountPath"]).mkdir(parents=True, exist_ok=True)
 
         def run_probe(kind: str) -> subprocess.CompletedProcess[str]:
             return subprocess.run(
@@ -1050,7 +1075,10 @@ def run_daemonset_container(doc: Mapping[str, Any]) -> None:
             assert broker.terminate() == -signal.SIGTERM, broker.output()
         for kind in probes:
             after = run_probe(kind)
-            if gate == "1":
+            if gate == "1" and kind == "readinessProbe":
+                # The broker removed its ready file at its stop: not ready, at once.
+                assert after.returncode == 1 and after.stderr == "", (kind, after.stderr)
+            elif gate == "1":
                 assert after.returncode == 1, (kind, after.stdout)
                 assert after.stderr == (
                     f"hostpid probe: socket check failed: {BROKER_DIRECTORY}/broker.sock: "
@@ -1093,8 +1121,15 @@ def test_the_probes_fail_on_a_socket_that_listens_but_never_answers() -> None:
             silent.bind(str(directory / "broker.sock"))
             os.chmod(directory / "broker.sock", 0o666)
             silent.listen(64)
+            # As if this pod's broker held the listener (its ready file exists).
+            ready = option_value(container_argv(container), "--ready-file")
+            assert ready is not None
+            layout.seen_from_here(os.path.dirname(ready)).mkdir(parents=True, exist_ok=True)
+            layout.seen_from_here(ready).touch()
             for kind, command in probe_commands(container).items():
-                deadline = exec_probe_deadline(container[kind])
+                deadline = exec_probe_deadline(
+                    container[kind], ready if kind == "readinessProbe" else None
+                )
                 assert deadline is not None
                 started = time.monotonic()
                 done = subprocess.run(
@@ -1206,6 +1241,49 @@ def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     analyze = require_tool("systemd-analyze")
     result = subprocess.run(
         [analyze, "verify", str(verifiable_unit(tmp_path))],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout + result.stderr == "", "no warning either (unknown keys are warnings)"
+
+
+SOCKET_UNIT = DEPLOY / "systemd" / "hostpid-broker.socket"
+
+
+def socket_unit_values(key: str) -> list[str]:
+    values, section = [], ""
+    for raw in SOCKET_UNIT.read_text().splitlines():
+        line = raw.strip()
+        if line.startswith("[") and line.endswith("]"):
+            section = line[1:-1]
+        elif line and line[0] not in "#;" and section == "Socket":
+            name, _, value = line.partition("=")
+            if name.strip() == key:
+                values.append(value.strip())
+    return values
+
+
+def test_socket_unit_states_the_rules_the_broker_checks() -> None:
+    """The passed listener is what the broker would have bound itself."""
+    assert socket_unit_values("ListenStream") == ["/run/hami/hostpid/broker.sock"]
+    assert os.path.realpath("/var/run") == "/run" or not os.path.exists("/var/run")
+    assert socket_unit_values("SocketMode") == [f"{defaults.SOCKET_MODE:04o}"]
+    assert socket_unit_values("DirectoryMode") == [f"{defaults.DIRECTORY_MODE:04o}"]
+    assert socket_unit_values("SocketUser") == ["root"]
+    assert socket_unit_values("FileDescriptorName") == ["broker"]
+    assert socket_unit_values("Backlog") == [str(defaults.LISTEN_BACKLOG)]
+    assert socket_unit_values("Service") == [UNIT.name]
+    # The service keeps its own listener too, across restarts.
+    assert int(unit_value("FileDescriptorStoreMax")) >= 1
+
+
+def test_both_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
+    analyze = require_tool("systemd-analyze")
+    service = verifiable_unit(tmp_path)
+    socket_copy = tmp_path / SOCKET_UNIT.name
+    socket_copy.write_text(SOCKET_UNIT.read_text())
+    result = subprocess.run(
+        [analyze, "verify", str(socket_copy), str(service)],
         capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -19,7 +19,6 @@ import os
 import threading
 from pathlib import Path
 
-import attrs
 import pytest
 from clienttools import fake_broker, make_directory, response
 
@@ -116,7 +115,7 @@ def test_this_process_is_read_from_the_kernel() -> None:
     try:
         assert ready.wait(10)
         assert caller.has_thread(seen[0]), "a live thread of ours, from /proc/self/task"
-        in_a_container = attrs.evolve(caller, pid_namespace=CONTAINER_NS)
+        in_a_container = caller.replace(pid_namespace=CONTAINER_NS)
         problem = peerpid.peer_pid_problem(seen[0], in_a_container)
         assert problem is not None and "is a thread of this process" in problem
     finally:

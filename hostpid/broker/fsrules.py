@@ -411,7 +411,9 @@ def _probe(path: str) -> int:
         probe.close()
 
 
-def clear_socket_path(directory_fd: int, directory: str, expected_uid: int) -> SocketPathState:
+def clear_socket_path(
+    directory_fd: int, directory: str, expected_uid: int, name: str = defaults.SOCKET_NAME
+) -> SocketPathState:
     """
     Make the socket path free for a new listener, or refuse to start.
 
@@ -428,9 +430,9 @@ def clear_socket_path(directory_fd: int, directory: str, expected_uid: int) -> S
     @raise BrokerStartupError: the path is occupied by something that must
         not be removed.
     """
-    path = os.path.join(directory, defaults.SOCKET_NAME)
+    path = os.path.join(directory, name)
     try:
-        before = os.stat(defaults.SOCKET_NAME, dir_fd=directory_fd, follow_symlinks=False)
+        before = os.stat(name, dir_fd=directory_fd, follow_symlinks=False)
     except FileNotFoundError:
         return SocketPathState.ABSENT
     if not stat.S_ISSOCK(before.st_mode):
@@ -445,7 +447,7 @@ def clear_socket_path(directory_fd: int, directory: str, expected_uid: int) -> S
             f"is a socket owned by UID {before.st_uid}, not UID {expected_uid}; "
             "refusing to replace it (left untouched)",
         )
-    result = _probe(descriptor_path(directory_fd, directory, defaults.SOCKET_NAME))
+    result = _probe(descriptor_path(directory_fd, directory, name))
     if result in (0, errno.EAGAIN, errno.EWOULDBLOCK, errno.EINPROGRESS):
         raise BrokerStartupError(
             path,
@@ -461,35 +463,39 @@ def clear_socket_path(directory_fd: int, directory: str, expected_uid: int) -> S
     # judged: the directory belongs to the expected UID and the lock is held,
     # so only that UID could have swapped it, but checking costs nothing.
     try:
-        now = os.stat(defaults.SOCKET_NAME, dir_fd=directory_fd, follow_symlinks=False)
+        now = os.stat(name, dir_fd=directory_fd, follow_symlinks=False)
     except FileNotFoundError:
         return SocketPathState.ABSENT
     if not SocketIdentity.of(before).matches(now):
         raise BrokerStartupError(path, "changed while it was being checked; left untouched")
-    os.unlink(defaults.SOCKET_NAME, dir_fd=directory_fd)
+    os.unlink(name, dir_fd=directory_fd)
     return SocketPathState.STALE_REMOVED
 
 
-def identify_socket(directory_fd: int) -> os.stat_result | None:
-    """The C{lstat} of the socket path, or C{None} if nothing is there."""
+def identify_socket(
+    directory_fd: int, name: str = defaults.SOCKET_NAME
+) -> os.stat_result | None:
+    """The C{lstat} of the socket path (or C{name}), or C{None} if nothing is there."""
     try:
-        return os.stat(defaults.SOCKET_NAME, dir_fd=directory_fd, follow_symlinks=False)
+        return os.stat(name, dir_fd=directory_fd, follow_symlinks=False)
     except FileNotFoundError:
         return None
 
 
-def remove_socket_if_ours(directory_fd: int, identity: SocketIdentity) -> bool:
+def remove_socket_if_ours(
+    directory_fd: int, identity: SocketIdentity, name: str = defaults.SOCKET_NAME
+) -> bool:
     """
     Remove the socket path only if it still names the socket the broker
     created (same device, inode and type).  A file that replaced it survives.
 
     @return: whether the path was removed.
     """
-    info = identify_socket(directory_fd)
+    info = identify_socket(directory_fd, name)
     if info is None or not identity.matches(info):
         return False
     try:
-        os.unlink(defaults.SOCKET_NAME, dir_fd=directory_fd)
+        os.unlink(name, dir_fd=directory_fd)
     except FileNotFoundError:
         return False
     return True

@@ -57,6 +57,7 @@ from hostpid.broker.fsrules import (
     identify_socket,
     remove_socket_if_ours,
 )
+from hostpid.broker.handover import allow_descriptor_passing
 from hostpid.broker.server import BrokerFactory
 from hostpid.broker.waiting import WaitingRoom
 from hostpid.starttime import boottime_ns
@@ -111,8 +112,17 @@ class BrokerPort(unix.Port):
         backlog: int = defaults.LISTEN_BACKLOG,
         expectedUid: int | None = None,
         receiveDescriptors: bool = False,
+        listener: socket.socket | None = None,
+        identity: SocketIdentity | None = None,
     ) -> None:
+        """
+        @param listener: a listening socket handed over by the broker that
+            served before (L{hostpid.broker.handover}), with the C{identity}
+            it recorded: listened on instead of binding a new one.
+        """
         super().__init__(path.encode(), factory, backlog=backlog, reactor=reactor)
+        self._handedListener = listener
+        self._handedIdentity = identity
         #: Whether to skip C{SO_PASSRIGHTS} and receive passed descriptors,
         #: as on a kernel without it (for tests of that mode).
         self._receiveDescriptors = receiveDescriptors
@@ -154,35 +164,20 @@ class BrokerPort(unix.Port):
         bind-then-chmod window), and the path is then checked by C{lstat} to
         be the socket just created, owned by us.
         """
-        # Before the listener exists: no connection can have been made earlier.
-        self.emptyAt = boottime_ns()
-        directory = os.path.dirname(self.path)
-        bindPath = descriptor_path(self._directoryFd, directory, defaults.SOCKET_NAME)
-        skt = self.createInternetSocket()
-        oldUmask = os.umask(0o777 & ~defaults.SOCKET_MODE)
-        try:
-            skt.bind(bindPath)
-        except OSError as e:
-            skt.close()
-            raise BrokerStartupError(
-                self.path, f"cannot bind the socket: {e.strerror or e}"
-            ) from None
-        finally:
-            os.umask(oldUmask)
-        info = identify_socket(self._directoryFd)
-        if (
-            info is None
-            or not stat.S_ISSOCK(info.st_mode)
-            or info.st_uid != self._expectedUid
-            or info.st_mode & 0o777 != defaults.SOCKET_MODE
-        ):
-            skt.close()
-            raise BrokerStartupError(
-                self.path, "is not the socket just bound (replaced during startup?)"
-            )
-        self.identity = SocketIdentity.of(info)
+        if self._handedListener is not None:
+            # A listener handed over (or passed by systemd) may hold
+            # connections made before this broker existed: no bound is known
+            # until the first backlog marker comes back (0: the strictest).
+            self.emptyAt = 0
+            skt = self._adopt(self._handedListener)
+        else:
+            # Before the listener exists: no connection can have been made earlier.
+            self.emptyAt = boottime_ns()
+            skt = self._bind()
         try:
             refused = not self._receiveDescriptors and refuse_descriptor_passing(skt)
+            if not refused and self._handedListener is not None:
+                allow_descriptor_passing(skt)
         except OSError as e:
             skt.close()
             raise BrokerStartupError(
@@ -290,6 +285,67 @@ class BrokerPort(unix.Port):
         if self._floorRefresh is not None and self._floorRefresh.running:
             self._floorRefresh.stop()
         self._floorRefresh = None
+
+    def _bind(self) -> socket.socket:
+        """A new socket bound at the path, born 0666, its identity recorded."""
+        directory = os.path.dirname(self.path)
+        bindPath = descriptor_path(self._directoryFd, directory, defaults.SOCKET_NAME)
+        skt = self.createInternetSocket()
+        oldUmask = os.umask(0o777 & ~defaults.SOCKET_MODE)
+        try:
+            skt.bind(bindPath)
+        except OSError as e:
+            skt.close()
+            raise BrokerStartupError(
+                self.path, f"cannot bind the socket: {e.strerror or e}"
+            ) from None
+        finally:
+            os.umask(oldUmask)
+        info = identify_socket(self._directoryFd)
+        if (
+            info is None
+            or not stat.S_ISSOCK(info.st_mode)
+            or info.st_uid != self._expectedUid
+            or info.st_mode & 0o777 != defaults.SOCKET_MODE
+        ):
+            skt.close()
+            raise BrokerStartupError(
+                self.path, "is not the socket just bound (replaced during startup?)"
+            )
+        self.identity = SocketIdentity.of(info)
+        return skt
+
+    def _adopt(self, skt: socket.socket) -> socket.socket:
+        """
+        A listener handed over: the path must still name it (the identity
+        its first owner recorded), owned as the rules require.  From here on
+        every lifecycle rule is this broker's: the path is removed at close
+        only if it still names this socket.
+        """
+        info = identify_socket(self._directoryFd)
+        if (
+            info is None
+            or self._handedIdentity is None
+            or not self._handedIdentity.matches(info)
+            or info.st_uid != self._expectedUid
+            or info.st_mode & 0o777 != defaults.SOCKET_MODE
+        ):
+            raise BrokerStartupError(
+                self.path, "no longer names the socket handed over (replaced during startup?)"
+            )
+        self.identity = self._handedIdentity
+        return skt
+
+    def handOverPath(self) -> None:
+        """
+        The listener now belongs to the broker that took over: this one stops
+        accepting but never removes the path at close, and closes its
+        descriptor without C{shutdown}: Twisted's port shuts a listener down
+        before closing it, which on a Unix socket makes every later connect
+        fail with C{ECONNREFUSED}, for the new owner too.
+        """
+        self.identity = None
+        self._shouldShutdown = False
 
     def doRead(self) -> None:
         """

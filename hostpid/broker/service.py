@@ -31,7 +31,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from hostpid import defaults
-from hostpid.broker import connections, disabled, fsrules
+from hostpid.broker import activation, connections, disabled, fsrules, handover
 from hostpid.broker.closer import CLOSER_QUEUE
 from hostpid.broker.closewatch import INTERRUPTS_PER_CLOSE
 from hostpid.broker.descriptors import (
@@ -193,6 +193,8 @@ class BrokerService(Service):
         lockParent: str = defaults.LOCK_PARENT,
         receiveDescriptors: bool | None = None,
         maxPerPeer: int | None = None,
+        onHandedOver: Callable[[], None] | None = None,
+        readyFile: str | None = None,
     ) -> None:
         """
         @param prepareNode: what the node side needs ready at every start,
@@ -211,6 +213,14 @@ class BrokerService(Service):
         @param maxPerPeer: waiting connections one peer may hold (see
             L{hostpid.broker.waiting}); C{None}: the factory's default, a
             sixteenth of C{maxConnections}.
+        @param onHandedOver: called once a new broker took the listener and
+            the lock over (L{hostpid.broker.handover}); default: stop the
+            reactor (twistd then exits 0).
+        @param readyFile: a path (in a place of this broker's own, such as
+            a container's emptyDir) created once this broker holds the
+            listener and removed when it stops or hands over: during a
+            handover both brokers answer on the socket, and only this tells
+            a readiness check which one it is.
         """
         if reactor is None:
             from twisted.internet import reactor as _reactor
@@ -223,6 +233,7 @@ class BrokerService(Service):
         self.deadline = deadline
         self.reactor = reactor
         self.enabled = gate_enabled(environ)
+        self._environ = environ
         self.onFatal = onFatal if onFatal is not None else lambda: exit_process(reactor)
         self.watchInterval = watchInterval
         self.allowNonHostPidNamespace = allowNonHostPidNamespace
@@ -248,9 +259,21 @@ class BrokerService(Service):
                     "hostpid-broker: {env}={value!r} ignored (the only value is \"pidfd_open\")",
                     env=LIVENESS_ENV, value=forced,
                 )
+        self.onHandedOver = onHandedOver if onHandedOver is not None else reactor.stop
+        self.readyFile = readyFile
         self.factory: BrokerFactory | None = None
         self.port: BrokerPort | None = None
         self.failed = False
+        #: The listener and lock taken over from a running broker, until done.
+        self._takeover: handover.Takeover | None = None
+        #: The control socket a newer broker asks for a handover on.
+        self.control: handover.ControlListener | None = None
+        #: Set once this broker handed its listener to another.
+        self.handedOver = False
+        #: Whether systemd holds the listener too (passed by socket
+        #: activation or the descriptor store, or stored): then it outlives
+        #: this process, and the path is left in place at stop.
+        self.listenerKept = False
         self._directoryFd: int | None = None
         self._lockFd: int | None = None
         self._watch: LoopingCall | None = None
@@ -332,11 +355,16 @@ class BrokerService(Service):
             "hostpid-broker: directory prepared: {path} (UID {uid}, mode 0711)",
             path=self.directory, uid=expectedUid,
         )
-        self._lockFd = fsrules.take_lock(self._directoryFd, self.directory, expectedUid)
-        self.log.info(
-            "hostpid-broker: lock taken: {path}",
-            path=os.path.join(self.directory, defaults.LOCK_NAME),
-        )
+        try:
+            self._lockFd = fsrules.take_lock(self._directoryFd, self.directory, expectedUid)
+        except fsrules.LockHeld as held:
+            self._takeover = self._askForHandover(held, expectedUid)
+            self._lockFd = self._takeover.lockFd
+        else:
+            self.log.info(
+                "hostpid-broker: lock taken: {path}",
+                path=os.path.join(self.directory, defaults.LOCK_NAME),
+            )
         # After the lock (a second enabled broker, which will not serve, does
         # not rewrite the CDI spec) and before listening (a refusal leaves no
         # socket behind).  A disabled broker prepares without the lock, which
@@ -344,9 +372,14 @@ class BrokerService(Service):
         # race (the spec is renamed into place, the lock parent prepared
         # race-free by renameat2).
         self._prepareNode()
-        state = fsrules.clear_socket_path(self._directoryFd, self.directory, expectedUid)
-        if state is fsrules.SocketPathState.STALE_REMOVED:
-            self.log.info("hostpid-broker: stale socket removed: {path}", path=self.socketPath)
+        takeover = self._takeover
+        passed = self._passedListener(expectedUid, use=takeover is None)
+        if takeover is None and passed is None:
+            state = fsrules.clear_socket_path(self._directoryFd, self.directory, expectedUid)
+            if state is fsrules.SocketPathState.STALE_REMOVED:
+                self.log.info(
+                    "hostpid-broker: stale socket removed: {path}", path=self.socketPath
+                )
         self.factory = BrokerFactory(
             self.reactor, self.deadline, self.maxConnections, self.identifier,
             maxPerPeer=self.maxPerPeer,
@@ -359,8 +392,13 @@ class BrokerService(Service):
             self._listenerFailed,
             expectedUid=expectedUid,
             receiveDescriptors=self.receiveDescriptors,
+            listener=takeover.listener if takeover is not None
+            else passed[0] if passed is not None else None,
+            identity=takeover.identity if takeover is not None
+            else passed[1] if passed is not None else None,
         )
         self.port.startListening()
+        self._storeListener(stored=passed is not None)
         if self.port.descriptorMode is DescriptorMode.REFUSED:
             self.log.info(
                 "hostpid-broker: descriptor passing refused by the kernel (SO_PASSRIGHTS=0): "
@@ -407,6 +445,174 @@ class BrokerService(Service):
         self._watch = LoopingCall(self.checkSocketPath)
         self._watch.clock = self.reactor
         self._watch.start(self.watchInterval, now=False)
+        self._markReady(True)
+        if takeover is not None:
+            # TAKEN only once this reactor runs, so that the old broker stops
+            # accepting only when this one does.
+            self.reactor.callWhenRunning(
+                lambda: self.reactor.callLater(0, self._completeTakeover, expectedUid)
+            )
+        else:
+            self._openControl(expectedUid)
+
+    def _markReady(self, holding: bool) -> None:
+        """Create or remove L{readyFile}; a failure is logged, never fatal."""
+        if self.readyFile is None:
+            return
+        try:
+            if holding:
+                fd = os.open(self.readyFile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+                             | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+                os.write(fd, f"{os.getpid()}\n".encode())
+                os.close(fd)
+            else:
+                os.unlink(self.readyFile)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            self.log.warn("hostpid-broker: ready file {path}: {error}",
+                          path=self.readyFile, error=e.strerror)
+
+    def _passedListener(
+        self, expectedUid: int, use: bool
+    ) -> tuple[socket.socket, fsrules.SocketIdentity] | None:
+        """
+        The listener systemd passed (socket activation, or the descriptor
+        store after a restart), checked; C{None} if none was passed.  Other
+        descriptors passed are closed.
+
+        @raise fsrules.BrokerStartupError: one was passed that breaks a rule.
+        """
+        environ = os.environ if self._environ is None else self._environ
+        passed = activation.passed_descriptors(environ)
+        if self._environ is None:
+            activation.forget(os.environ)
+        chosen: tuple[socket.socket, fsrules.SocketIdentity] | None = None
+        try:
+            for descriptor in passed:
+                if use and chosen is None and descriptor.name == activation.LISTENER_NAME:
+                    assert self._directoryFd is not None
+                    chosen = activation.check_listener(
+                        descriptor.fd, self._directoryFd, self.directory, expectedUid
+                    )
+                elif descriptor.name != activation.LISTENER_NAME:
+                    self.log.warn(
+                        "hostpid-broker: passed descriptor {fd} named {name!r} is not the "
+                        "broker's listener; closed", fd=descriptor.fd, name=descriptor.name,
+                    )
+        except BaseException:
+            if chosen is not None:
+                chosen[0].close()
+            raise
+        finally:
+            for descriptor in passed:
+                os.close(descriptor.fd)
+        if chosen is not None:
+            self.listenerKept = True
+            self.log.info(
+                "hostpid-broker: listener passed by systemd (socket activation or descriptor "
+                "store): {path}, inode {inode}", path=self.socketPath, inode=chosen[1].inode,
+            )
+        return chosen
+
+    def _storeListener(self, stored: bool) -> None:
+        """Give systemd's descriptor store a copy of the listener, where there is one."""
+        environ = os.environ if self._environ is None else self._environ
+        if stored or self.port is None or not activation.store_enabled(environ):
+            return
+        try:
+            activation.store(self.port.socket, environ)
+        except OSError as e:
+            self.log.warn(
+                "hostpid-broker: cannot store the listener with systemd ({error}): a restart "
+                "will leave a gap", error=e.strerror,
+            )
+            return
+        self.listenerKept = True
+        self.log.info(
+            "hostpid-broker: listener stored with systemd (FDSTORE=1, FDNAME={name}): "
+            "it outlives a restart", name=activation.LISTENER_NAME,
+        )
+
+    def _askForHandover(self, held: fsrules.LockHeld, expectedUid: int) -> handover.Takeover:
+        """
+        The lock is held: ask the running broker for its listener and lock,
+        or refuse as before, saying why the handover did not happen.
+        """
+        assert self._directoryFd is not None
+        try:
+            takeover = handover.take_over(self._directoryFd, self.directory, expectedUid)
+        except handover.HandoverFailed as e:
+            raise fsrules.LockHeld(held.path, f"{held.rule}; no handover: {e}") from None
+        except OSError as e:
+            raise fsrules.LockHeld(
+                held.path, f"{held.rule}; no handover: {e.strerror or e}"
+            ) from None
+        self.log.info(
+            "hostpid-broker: lock held by PID {pid}: it handed over its listener and lock "
+            "(socket inode {inode}, the same file)",
+            pid=takeover.peerPid, inode=takeover.identity.inode,
+        )
+        return takeover
+
+    def _completeTakeover(self, expectedUid: int) -> None:
+        takeover, self._takeover = self._takeover, None
+        if takeover is None:
+            return
+
+        def done(problem: str | None) -> None:
+            if problem is None:
+                self.log.info(
+                    "hostpid-broker: handover complete: PID {pid} stopped accepting",
+                    pid=takeover.peerPid,
+                )
+            else:
+                self.log.warn(
+                    "hostpid-broker: handover: {problem} (serving regardless)", problem=problem
+                )
+            if self.running and not self.failed:
+                self._openControl(expectedUid)
+
+        handover.complete(takeover, self.reactor, done)
+
+    def _openControl(self, expectedUid: int) -> None:
+        """Listen for a newer broker's handover request (never fatal)."""
+        assert self._directoryFd is not None
+        control = handover.ControlListener(
+            self._directoryFd, self.directory, expectedUid, self.reactor,
+            self._offer, self._handOver,
+        )
+        problem = control.open()
+        if problem is not None:
+            self.log.warn(
+                "hostpid-broker: no handover control socket ({problem}): a new broker will "
+                "have to wait for this one to stop", problem=problem,
+            )
+            return
+        self.control = control
+        self.log.info("hostpid-broker: handover control socket: {path}", path=control.path)
+
+    def _offer(self) -> handover.Offer | str:
+        """What to hand over: only while serving."""
+        port = self.port
+        if not self.ready() or port is None or port.identity is None or self._lockFd is None:
+            return "this broker is not serving"
+        return handover.Offer(port.fileno(), self._lockFd, port.identity)
+
+    def _handOver(self, pid: int) -> None:
+        """A new broker accepts on the listener: stop accepting, keep the path, stop."""
+        self.handedOver = True
+        self._markReady(False)
+        self.control = None
+        if self._watch is not None and self._watch.running:
+            self._watch.stop()
+        if self.port is not None:
+            self.port.handOverPath()
+        self.log.info(
+            "hostpid-broker: handed over to PID {pid}: it accepts on the socket now; "
+            "answering what this broker accepted, then exiting", pid=pid,
+        )
+        self.onHandedOver()
 
     def _logClosesBounded(self) -> None:
         """Mode received: say whether a close that would linger can be cut short."""
@@ -522,6 +728,17 @@ class BrokerService(Service):
         )
         if self._watch is not None and self._watch.running:
             self._watch.stop()
+        self._markReady(False)
+        if self.listenerKept:
+            # A stored listener no longer matches the path: the next start
+            # must bind anew, not be handed what it would refuse.  (It is
+            # still closed without a shutdown: systemd may hold it too.)
+            environ = os.environ if self._environ is None else self._environ
+            if activation.store_enabled(environ):
+                try:
+                    activation.remove_stored(environ)
+                except OSError:
+                    pass
         self.onFatal()
 
     def stopService(self) -> Deferred[None] | None:
@@ -535,15 +752,37 @@ class BrokerService(Service):
         if self._watch is not None and self._watch.running:
             self._watch.stop()
         self._watch = None
+        self._markReady(False)
+        control, self.control = self.control, None
+        if control is not None:
+            control.close()
+        if self._takeover is not None:
+            self._takeover.connection.close()
+            self._takeover = None
         port, factory = self.port, self.factory
         if port is None or factory is None:
             self._release()
             return None
+        if self.listenerKept and not self.handedOver:
+            # systemd keeps the listener for the next start: connections made
+            # meanwhile wait in its queue.  Neither remove the path nor shut
+            # the socket down.
+            port.handOverPath()
         self.log.info("hostpid-broker: stopping: {path}", path=self.socketPath)
         stopped: Deferred[None] = maybeDeferred(port.stopListening)
 
         def portClosed(_: object) -> Deferred[None]:
-            if port.removed:
+            if self.handedOver:
+                self.log.info(
+                    "hostpid-broker: socket left to the broker that took over: {path}",
+                    path=self.socketPath,
+                )
+            elif self.listenerKept:
+                self.log.info(
+                    "hostpid-broker: socket left in place: systemd keeps the listener for "
+                    "the next start: {path}", path=self.socketPath,
+                )
+            elif port.removed:
                 self.log.info("hostpid-broker: socket removed: {path}", path=self.socketPath)
             else:
                 self.log.warn(

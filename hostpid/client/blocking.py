@@ -15,18 +15,18 @@ caller falls back to its existing discovery path.
 
 from __future__ import annotations
 
-import math
-import os
-import select
-import socket
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
-import attrs
 from twisted.logger import Logger
 
-from hostpid import defaults, wire
-from hostpid.client.connect import FIRST_BACKOFF, new_socket, next_backoff, try_connect
+from hostpid import wire
+from hostpid.client.policy import STRICT, TrustPolicy
+from hostpid.client.transaction import (
+    BlockingConnection,
+    ProbeReport,
+    checked_transaction,
+    probe,
+)
 from hostpid.client.trust import (
     CHECKS,
     CONNECT,
@@ -41,11 +41,9 @@ from hostpid.client.trust import (
     REPLY,
     SANDBOX,
     SOCKET,
-    STRICT,
     CheckResult,
     HostPidUnavailable,
     Layout,
-    TrustPolicy,
     check_directory,
     check_gate,
     check_peer,
@@ -58,7 +56,6 @@ from hostpid.client.trust import (
     checked_path,
     host_pid_from_reply,
     inspect_layout,
-    os_error_text,
 )
 from hostpid.peercred import PeerCredentials, peer_credentials
 
@@ -73,79 +70,6 @@ __all__ = [
 ]
 
 _log = Logger()
-
-
-# --- The blocking transport. ---
-
-
-class _BlockingConnection:
-    """
-    One non-blocking socket and one monotonic deadline, fixed when it is made:
-    every wait below is bounded by what is left of it, so a broker that
-    trickles bytes cannot extend it.
-    """
-
-    def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self._seconds = seconds
-        self._clock = clock
-        self._deadline = clock() + seconds
-        self.sock = new_socket()
-
-    def close(self) -> None:
-        self.sock.close()
-
-    def _left(self) -> float:
-        return self._deadline - self._clock()
-
-    def _passed(self, doing: str) -> HostPidUnavailable:
-        return HostPidUnavailable(DEADLINE, f"{self._seconds:g} s passed {doing}")
-
-    def _wait(self, events: int, doing: str) -> None:
-        left = self._left()
-        if left <= 0:
-            raise self._passed(doing)
-        poller = select.poll()
-        poller.register(self.sock, events)
-        if not poller.poll(math.ceil(left * 1000)) and self._left() <= 0:
-            raise self._passed(doing)
-
-    def connect(self, address: str) -> None:
-        delay = FIRST_BACKOFF
-        while not try_connect(self.sock, address):
-            left = self._left()
-            if left <= 0:
-                raise self._passed("while connecting: accept queue full (EAGAIN)")
-            time.sleep(min(delay, left))
-            delay = next_backoff(delay)
-
-    def send(self, data: bytes) -> None:
-        sent = 0
-        while sent < len(data):
-            self._wait(select.POLLOUT, f"sending the request ({sent} of {len(data)} bytes)")
-            try:
-                sent += self.sock.send(data[sent:], socket.MSG_NOSIGNAL)
-            except BlockingIOError:
-                continue
-            except OSError as error:
-                raise HostPidUnavailable(REPLY, f"cannot send: {os_error_text(error)}") from None
-
-    def receive(self, size: int) -> bytes:
-        """Up to C{size} bytes, fewer only if the broker closed first."""
-        data = b""
-        while len(data) < size:
-            self._wait(select.POLLIN, f"waiting for the reply ({len(data)} of {size} bytes)")
-            try:
-                chunk = self.sock.recv(size - len(data))
-            except BlockingIOError:
-                continue
-            except OSError as error:
-                raise HostPidUnavailable(
-                    REPLY, f"cannot receive after {len(data)} bytes: {os_error_text(error)}"
-                ) from None
-            if not chunk:
-                break
-            data += chunk
-        return data
 
 
 def query_host_pid(
@@ -171,99 +95,7 @@ def _transaction(
     checks' verdicts (for a caller that reports what it checked).
     """
     policy.require(check_gate(environ))
-    return _checked_transaction(policy)
-
-
-def _checked_transaction(policy: TrustPolicy) -> tuple[int, tuple[CheckResult, ...]]:
-    """
-    L{_transaction} past the gate: every check of C{policy} on the layout,
-    the peer and the reply.  Only L{probe} starts here, since the gate is a
-    workload's decision to ask, not a property of the broker.
-    """
-    layout = inspect_layout(policy)
-    try:
-        for result in layout.results:
-            policy.require(result)
-        connection = _BlockingConnection(policy.deadline)
-        try:
-            connection.connect(layout.address())
-            layout.close()
-            try:
-                credentials: PeerCredentials | OSError = peer_credentials(connection.sock)
-            except OSError as error:
-                credentials = error
-            for verdict in check_peer_identity(credentials, policy.trusted_uid):
-                policy.require(verdict)
-            connection.send(wire.GET_HOST_PID_REQUEST)
-            pid = host_pid_from_reply(connection.receive(wire.RESPONSE_SIZE))
-            return pid, layout.results
-        finally:
-            connection.close()
-    finally:
-        layout.close()
-
-
-@attrs.frozen
-class ProbeReport:
-    """
-    A healthy broker, as L{probe} saw it.
-
-    @ivar socket_path: the socket probed.
-    @ivar pid: the PID the broker answered: this process's own.
-    @ivar socket: the C{socket} check's verdict (type, owner UID and mode).
-    @ivar gate: the gate in the probing process's environment, as information
-        only: the probe ran whatever it says.
-    """
-
-    socket_path: str
-    pid: int
-    socket: CheckResult
-    gate: CheckResult
-
-
-def probe(
-    socket_path: str = defaults.BROKER_SOCKET,
-    deadline: float = defaults.DEADLINE,
-    environ: Mapping[str, str] | None = None,
-    trusted_uid: int = 0,
-) -> ProbeReport:
-    """
-    The operator's check that a broker serves: one transaction from the host
-    (or the broker's own container, which shares the host PID namespace),
-    passing only when the reply has status 0 and names this very process.
-
-    Every trust check applies but C{read-only-mount}: the broker directory is
-    writable where the broker and its operator are, and read-only only in a
-    workload's mount.  C{peer-pid} and C{sandbox} apply too (from the host
-    PID namespace the listener must have a real PID).  The gate is not
-    required either: it is a workload's decision whether to ask at all, and
-    an operator checking a broker from the host has no reason to carry it in
-    the shell.  It is read and reported (L{ProbeReport.gate}) as
-    information.  A workload's question is L{query_host_pid}, not this.
-
-    @param environ: where to read the gate reported (default: C{os.environ}).
-    @param trusted_uid: the UID that must own the directory and the socket
-        and run the listener: 0 for the production broker, another for a
-        broker run unprivileged on its own C{--directory}.
-
-    @raise HostPidUnavailable: a check or stage failed, or the broker
-        answered another PID (check C{reply}).
-    @raise ValueError: C{deadline} is not a positive number of seconds.
-    """
-    policy = TrustPolicy(
-        socket_path=socket_path, deadline=deadline, trusted_uid=trusted_uid
-    ).without(READ_ONLY_MOUNT)
-    gate = check_gate(environ)
-    pid, results = _checked_transaction(policy)
-    own = os.getpid()
-    if pid != own:
-        raise HostPidUnavailable(
-            REPLY,
-            f"answered PID {pid}, not this process's PID {own} "
-            "(a probe must run in the broker's PID namespace)",
-        )
-    (socket_result,) = (result for result in results if result.name == SOCKET)
-    return ProbeReport(socket_path=policy.socket_path, pid=pid, socket=socket_result, gate=gate)
+    return checked_transaction(policy.requirements())
 
 
 def lookup_host_pid(
@@ -305,7 +137,7 @@ def doctor(
         if not layout.connectable:
             results[CONNECT] = CheckResult(CONNECT, False, "not tried: no socket to connect to")
         else:
-            connection = _BlockingConnection(policy.deadline)
+            connection = BlockingConnection(policy.deadline)
             try:
                 _doctor_exchange(policy, layout, connection, results)
             finally:
@@ -328,7 +160,7 @@ def _first_failure(results: Mapping[str, CheckResult]) -> str:
 def _doctor_exchange(
     policy: TrustPolicy,
     layout: Layout,
-    connection: _BlockingConnection,
+    connection: BlockingConnection,
     results: dict[str, CheckResult],
 ) -> None:
     try:
@@ -357,6 +189,6 @@ def _doctor_exchange(
 def _annotate(policy: TrustPolicy, result: CheckResult) -> CheckResult:
     if policy.enforces(result.name):
         return result
-    return attrs.evolve(result, observed=f"{result.observed} [check turned off]")
+    return result.replace(observed=f"{result.observed} [check turned off]")
 
 

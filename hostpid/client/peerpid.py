@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 
-import attrs
+from hostpid.values import Value
 
 #: C{PROC_PID_INIT_INO} (include/linux/proc_ns.h): the initial PID namespace.
 PROC_PID_INIT_INO = 0xEFFFFFFC
@@ -37,8 +37,7 @@ PID_NAMESPACE_PATH = "/proc/self/ns/pid"
 TASKS_PATH = "/proc/self/task"
 
 
-@attrs.frozen
-class CallerProcess:
+class CallerProcess(Value):
     """
     The calling process as the kernel sees it.
 
@@ -51,9 +50,17 @@ class CallerProcess:
         anyway: the question only picks the words).
     """
 
+    __slots__ = ("pid", "pid_namespace", "threads")
+    #: An error is not a value: the namespace takes no part in equality.
+    _compared = ("pid", "threads")
     pid: int
-    pid_namespace: int | OSError = attrs.field(eq=False)
-    threads: frozenset[int] | None = None
+    pid_namespace: int | OSError
+    threads: frozenset[int] | None
+
+    def __init__(
+        self, pid: int, pid_namespace: int | OSError, threads: frozenset[int] | None = None
+    ) -> None:
+        self._set(pid=pid, pid_namespace=pid_namespace, threads=threads)
 
     def has_thread(self, tid: int) -> bool:
         """Whether C{tid} is a thread of this process (C{pid} is)."""

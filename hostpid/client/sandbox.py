@@ -34,7 +34,7 @@ import ctypes
 import os
 import struct
 
-import attrs
+from hostpid.values import Value
 
 #: What gVisor's sentry reports as C{uname().version}, in every release.
 GVISOR_KERNEL_VERSION = "#1 SMP Sun Jan 10 15:06:54 PST 2016"
@@ -49,8 +49,7 @@ _STATFS_SIZE = 256
 _F_TYPE = struct.Struct("l")
 
 
-@attrs.frozen
-class SandboxSignals:
+class SandboxSignals(Value):
     """
     What the runtime told us about itself.
 
@@ -60,9 +59,14 @@ class SandboxSignals:
         C{None} when there was no directory to ask about or the call failed.
     """
 
+    __slots__ = ("kernel_release", "kernel_version", "mount_type")
     kernel_release: str
     kernel_version: str
     mount_type: int | None
+
+    def __init__(self, kernel_release: str, kernel_version: str, mount_type: int | None) -> None:
+        self._set(kernel_release=kernel_release, kernel_version=kernel_version,
+                  mount_type=mount_type)
 
 
 #: The C library already loaded into this process (no search, no subprocess).

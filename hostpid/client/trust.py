@@ -44,13 +44,17 @@ import errno
 import math
 import os
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
-import attrs
-
-from hostpid import defaults, gate, wire
+from hostpid import gate, wire
 from hostpid.client import peerpid, sandbox, userns
 from hostpid.peercred import PeerCredentials
+from hostpid.values import Value
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from hostpid.client.policy import STRICT as STRICT
+    from hostpid.client.policy import TrustPolicy as TrustPolicy
 
 GATE = "gate"
 SANDBOX = "sandbox"
@@ -105,88 +109,70 @@ class HostPidUnavailable(Exception):
         return f"{self.check}: {self.observed}"
 
 
-@attrs.frozen
-class CheckResult:
+class CheckResult(Value):
     """One check's verdict: its C{name}, whether it passed, what was seen."""
 
+    __slots__ = ("name", "ok", "observed")
     name: str
     ok: bool
     observed: str
 
+    def __init__(self, name: str, ok: bool, observed: str) -> None:
+        self._set(name=name, ok=ok, observed=observed)
 
-def _positive_finite(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+
+def check_deadline(name: str, value: float) -> None:
+    """
+    @raise ValueError: C{value} is not a positive, finite number of seconds.
+    """
     if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{attribute.name} must be a positive number of seconds, got {value!r}")
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
 
 
-def _optional_checks(
-    instance: object, attribute: attrs.Attribute[frozenset[str]], value: frozenset[str]
-) -> None:
-    for name in sorted(value):
-        if name in OPTIONAL_CHECKS:
-            continue
-        if name in CHECKS or name in (CONNECT, DEADLINE):
-            raise ValueError(f"the {name!r} check cannot be turned off")
-        raise ValueError(
-            f"unknown check {name!r}; checks that can be turned off: "
-            + ", ".join(sorted(OPTIONAL_CHECKS))
-        )
-
-
-def _names(value: Iterable[str]) -> frozenset[str]:
-    if isinstance(value, str):
-        raise TypeError("turned_off takes check names, not one string")
-    return frozenset(value)
-
-
-@attrs.frozen
-class TrustPolicy:
+def require(result: CheckResult, turned_off: frozenset[str] = frozenset()) -> None:
     """
-    Where the broker is and what makes its answer trustworthy.
+    Raise for C{result} if it failed and its check is not in C{turned_off}.
 
-    The defaults are the production rules; a test or an unusual node points
-    the client elsewhere with C{socket_path} and turns a check off only by
-    naming it (L{without}), so that a relaxed policy always says what it
-    relaxed.
+    @raise HostPidUnavailable: it did.
+    """
+    if not result.ok and result.name not in turned_off:
+        raise HostPidUnavailable(result.name, result.observed)
 
-    @ivar socket_path: the broker's socket.
-    @ivar trusted_uid: the UID that must own the directory and the socket and
-        run the listener.
-    @ivar deadline: seconds for connect, write and read together.
-    @ivar turned_off: names from L{OPTIONAL_CHECKS} that are not enforced.
+
+class Requirements(Value):
+    """
+    What one transaction enforces: a L{TrustPolicy}'s fields, already
+    validated, in a class a probe can make without loading C{attrs}.
     """
 
-    socket_path: str = attrs.field(default=defaults.CLIENT_SOCKET, converter=os.fspath)
-    trusted_uid: int = 0
-    deadline: float = attrs.field(default=defaults.DEADLINE, validator=_positive_finite)
-    turned_off: frozenset[str] = attrs.field(
-        default=frozenset(), converter=_names, validator=_optional_checks
-    )
+    __slots__ = ("socket_path", "trusted_uid", "deadline", "turned_off")
+    socket_path: str
+    trusted_uid: int
+    deadline: float
+    turned_off: frozenset[str]
 
-    def without(self, *checks: str) -> TrustPolicy:
-        """
-        This policy with C{checks} turned off.
-
-        @raise ValueError: a name is unknown or names a check that cannot be
-            turned off.
-        """
-        return attrs.evolve(self, turned_off=self.turned_off.union(checks))
+    def __init__(
+        self, socket_path: str, trusted_uid: int, deadline: float, turned_off: frozenset[str]
+    ) -> None:
+        self._set(socket_path=socket_path, trusted_uid=trusted_uid, deadline=deadline,
+                  turned_off=turned_off)
 
     def enforces(self, check: str) -> bool:
         return check not in self.turned_off
 
     def require(self, result: CheckResult) -> None:
-        """
-        Raise for C{result} if it failed and its check is enforced.
-
-        @raise HostPidUnavailable: it did.
-        """
-        if not result.ok and self.enforces(result.name):
-            raise HostPidUnavailable(result.name, result.observed)
+        """@raise HostPidUnavailable: C{result} failed and its check is enforced."""
+        require(result, self.turned_off)
 
 
-#: The production policy.
-STRICT = TrustPolicy()
+def __getattr__(name: str) -> object:
+    # The policy class is made with attrs, which a probe never loads: it
+    # lives in hostpid.client.policy and is found here on first use.
+    if name in ("TrustPolicy", "STRICT"):
+        from hostpid.client import policy
+
+        return getattr(policy, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --- What the checks look at: plain functions over what the kernel says. ---
@@ -369,7 +355,6 @@ def host_pid_from_reply(data: bytes) -> int:
     return wire.parse_response(data).pid
 
 
-@attrs.define
 class Layout:
     """
     What the filesystem checks saw, and an open C{O_PATH} descriptor of the
@@ -379,10 +364,17 @@ class Layout:
     connection to the directory that was checked.
     """
 
-    socket_path: str
-    results: tuple[CheckResult, ...]
-    directory_fd: int | None
-    connectable: bool
+    def __init__(
+        self,
+        socket_path: str,
+        results: tuple[CheckResult, ...],
+        directory_fd: int | None,
+        connectable: bool,
+    ) -> None:
+        self.socket_path = socket_path
+        self.results = results
+        self.directory_fd = directory_fd
+        self.connectable = connectable
 
     def address(self) -> str:
         """
@@ -415,7 +407,7 @@ def _open_path(path: str, follow: bool) -> int:
     return os.open(path, flags)
 
 
-def inspect_layout(policy: TrustPolicy) -> Layout:
+def inspect_layout(policy: TrustPolicy | Requirements) -> Layout:
     """
     Run the checks that need no connection (C{sandbox}, C{directory},
     C{socket}, C{read-only-mount}) and return all four verdicts, in that

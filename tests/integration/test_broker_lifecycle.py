@@ -156,9 +156,17 @@ def test_lock_that_is_a_fifo_is_refused_without_hanging(directory: Path) -> None
 
 
 def test_second_broker_fails_and_first_keeps_serving(directory: Path) -> None:
+    """
+    A second broker takes the first one's listener over when it can
+    (test_handover.py); when it cannot (here: the first has no control
+    socket, as a broker from before the handover), it refuses and says why.
+    """
     with running_broker(directory) as first:
+        wait_for(lambda: (directory / "handover.sock").exists(), "the control socket")
+        (directory / "handover.sock").unlink()
         output = refused(directory)
         assert "broker.lock: is locked by another broker" in output
+        assert "no handover: " in output and "no control socket" in output
         assert ask_pid(first.socket_path) == os.getpid()
         assert first.process.poll() is None
 

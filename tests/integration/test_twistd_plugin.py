@@ -137,6 +137,9 @@ def test_symlinked_directory_refusal_alone_on_stderr(tmp_path: Path) -> None:
 def test_lock_held_refusal_alone_on_stderr(tmp_path: Path) -> None:
     directory = tmp_path / "broker"
     with running_broker(directory):
+        # Without its control socket the running broker cannot hand over.
+        wait_for(lambda: (directory / "handover.sock").exists(), "the control socket")
+        (directory / "handover.sock").unlink()
         result = run_twistd("--directory", str(directory))
     assert result.returncode == 1
     assert result.stderr.startswith(f"hostpid-broker: cannot start: {directory}/broker.lock: ")

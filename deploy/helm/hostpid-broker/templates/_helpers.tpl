@@ -111,7 +111,16 @@ the broker's rule: only "1" enables).
 {{- define "hostpid-broker.probeCommand" -}}
 - sh
 - -c
-- '[ "$LIBVGPU_HOSTPID_BROKER" != 1 ] || exec hostpid probe --socket {{ .root.Values.broker.directory }}/broker.sock --timeout {{ .probe.deadline }}'
+- '[ "$LIBVGPU_HOSTPID_BROKER" != 1 ] || {{ if .ready }}{ [ -e {{ include "hostpid-broker.readyFile" .root }} ] && {{ end }}exec hostpid probe --socket {{ .root.Values.broker.directory }}/broker.sock --timeout {{ .probe.deadline }}{{ if .ready }}; }{{ end }}'
+{{- end }}
+
+{{/*
+The file the broker keeps only while it holds the listener (--ready-file), in the pod's own
+emptyDir: during a handover both brokers answer on the socket, and only this tells the new
+pod's readiness probe that its own broker holds it.
+*/}}
+{{- define "hostpid-broker.readyFile" -}}
+/run/hostpid-ready/ready
 {{- end }}
 
 {{/*
@@ -136,12 +145,6 @@ The combinations that cannot work fail the render, each with one message naming 
 {{- if include "hostpid-broker.loopbackMetrics" $ }}
 {{- fail (printf "%s.enabled=true cannot scrape metrics.bindAddress=%s: a loopback address is reachable only inside the pod" $monitor $v.metrics.bindAddress) }}
 {{- end }}
-{{- end }}
-{{- end }}
-{{- if and $v.updateStrategy.rollingUpdate (eq $v.updateStrategy.type "RollingUpdate") }}
-{{- $surge := $v.updateStrategy.rollingUpdate.maxSurge | default 0 | toString }}
-{{- if not (or (eq $surge "0") (eq $surge "0%")) }}
-{{- fail (printf "updateStrategy.rollingUpdate.maxSurge=%s must be 0: a surge pod would be a second broker on the node, find broker.lock held and crash-loop" $surge) }}
 {{- end }}
 {{- end }}
 {{- range $probe := list "livenessProbe" "readinessProbe" }}

@@ -1,0 +1,127 @@
+"""
+The service manager's side of socket activation and the descriptor store,
+played by a test (no systemd needed): it passes listeners with
+C{LISTEN_FDS}/C{LISTEN_PID}/C{LISTEN_FDNAMES} from descriptor 3 on, listens
+on a C{NOTIFY_SOCKET} datagram socket for C{READY=1} and for C{FDSTORE=1}
+(with the descriptor in C{SCM_RIGHTS}), and passes what it stored back on
+the next start, as systemd does for C{systemctl restart} and C{Restart=}.
+Written from sd_listen_fds(3) and sd_notify(3).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import stat
+from collections.abc import Callable
+from pathlib import Path
+
+from support import BrokerProcess, subprocess_env
+
+#: Runs C{"$@"} with C{LISTEN_PID} set to its own PID (exec keeps it).
+LISTEN_PID_SHELL = ["sh", "-c", 'LISTEN_PID=$$; export LISTEN_PID; exec "$@"', "sh"]
+
+
+def bind_listener(directory: Path, mode: int = 0o666) -> socket.socket:
+    """What C{hostpid-broker.socket} makes: the socket at the broker's path."""
+    directory.mkdir(mode=0o711, exist_ok=True)
+    os.chmod(directory, 0o711)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o777 & ~mode)
+    try:
+        sock.bind(str(directory / "broker.sock"))
+    finally:
+        os.umask(old)
+    sock.listen(1024)
+    return sock
+
+
+class ServiceManager:
+    """One service's manager: its notify socket, its descriptor store."""
+
+    def __init__(self, directory: Path, runtime: Path) -> None:
+        self.directory = directory
+        self.notify_path = runtime / "notify"
+        self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.notify.bind(str(self.notify_path))
+        self.notify.setblocking(False)
+        #: (descriptor, name) the service stored, in order.
+        self.store: list[tuple[int, str]] = []
+        self.messages: list[str] = []
+
+    def start(
+        self, passed: list[tuple[int, str]], env: dict[str, str] | None = None
+    ) -> BrokerProcess:
+        """Start the broker with C{passed} as descriptors 3, 4, ..."""
+        extra = {
+            "NOTIFY_SOCKET": str(self.notify_path),
+            "FDSTORE": "4",
+            **(env or {}),
+        }
+        if passed:
+            extra["LISTEN_FDS"] = str(len(passed))
+            extra["LISTEN_FDNAMES"] = ":".join(name for _, name in passed)
+        sources = [fd for fd, _ in passed]
+        return BrokerProcess(
+            self.directory, env=subprocess_env(extra), argv_prefix=LISTEN_PID_SHELL,
+            preexec_fn=_place(sources), pass_fds=range(3, 3 + len(sources)),
+        )
+
+    def collect(self) -> None:
+        """Read every notification waiting; keep what is stored (once per socket)."""
+        while True:
+            try:
+                data, fds, _, _ = socket.recv_fds(self.notify, 4096, 8)
+            except BlockingIOError:
+                return
+            text = data.decode()
+            self.messages.append(text)
+            fields = dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+            if fields.get("FDSTORE") == "1":
+                for fd in fds:
+                    self._keep(fd, fields.get("FDNAME", "stored"))
+            elif fields.get("FDSTOREREMOVE") == "1":
+                for fd, name in list(self.store):
+                    if name == fields.get("FDNAME"):
+                        os.close(fd)
+                        self.store.remove((fd, name))
+            else:
+                for fd in fds:
+                    os.close(fd)
+
+    def _keep(self, fd: int, name: str) -> None:
+        identity = _socket_inode(fd)
+        if any(_socket_inode(kept) == identity for kept, _ in self.store):
+            os.close(fd)  # the same socket again: systemd keeps one
+            return
+        self.store.append((fd, name))
+
+    def close(self) -> None:
+        self.notify.close()
+        for fd, _ in self.store:
+            os.close(fd)
+        self.store.clear()
+
+
+def _socket_inode(fd: int) -> int:
+    info = os.fstat(fd)
+    assert stat.S_ISSOCK(info.st_mode)
+    return info.st_ino
+
+
+def _place(sources: list[int]) -> Callable[[], None]:
+    """In the child: C{sources} become descriptors 3, 4, ... (inheritable)."""
+
+    def place() -> None:
+        # Out of the way of 3, 4, ... first, so no placement overwrites a source.
+        high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 256) for fd in sources]
+        for index, fd in enumerate(high):
+            os.dup2(fd, 3 + index, inheritable=True)
+        for fd in high:
+            os.close(fd)
+
+    return place
+
+
+__all__ = ["ServiceManager", "bind_listener"]
