@@ -167,8 +167,11 @@ class BrokerPort(unix.Port):
         if self._handedListener is not None:
             # A listener handed over (or passed by systemd) may hold
             # connections made before this broker existed: no bound is known
-            # until the first backlog marker comes back (0: the strictest).
-            self.emptyAt = 0
+            # until the backlog is first seen empty or a marker comes back.
+            # Until then the bound is the boot (1 ns, not 0, which would mean
+            # "no rule"): a caller checked by start time is refused and falls
+            # back rather than risk a PID reused while it waited.
+            self.emptyAt = 1
             skt = self._adopt(self._handedListener)
         else:
             # Before the listener exists: no connection can have been made earlier.
