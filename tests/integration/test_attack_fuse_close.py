@@ -71,8 +71,15 @@ DEADLINE = scaled(defaults.DEADLINE)
 CLIENTS = 100
 CLIENT_PAUSE = 0.1
 ANSWERED_SHARE = 0.99
-#: Queued signals of the broker's user (C{SigQ}) at most: a handful.
-MOST_QUEUED_SIGNALS = 8
+#: Signals queued for the broker's user (C{SigQ}, counted for all of UID 0's
+#: processes, so measured above what was queued before the attack) at most:
+#: one C{SIGALRM} left pending in each abandoned disposer stuck in D state
+#: (its interval timer fired once the flush's interruptible wait had ended;
+#: a standard signal is never queued twice), and a handful more (the
+#: watchdog signals a stuck close of the broker's own at most 3 times; other
+#: root processes on a shared machine queue a few of their own meanwhile).
+#: Before the disposer: hundreds a second, without end.
+MOST_QUEUED_SIGNALS = MAX_ABANDONED + 8
 #: SIGTERM to exit: transactions in flight end within their deadline
 #: (docs/operations.md, "Signals and exit status"), plus the interpreter's
 #: own exit; well within the chart's terminationGracePeriodSeconds (10).
@@ -187,6 +194,7 @@ def test_closes_that_ignore_signals_do_not_hold_the_broker(public_tmp: Path) -> 
         # before the connection is aborted.
         stack.callback(fuse.abort)
         assert opened == {"opened": FILES}
+        baseline = queued_signals(broker.pid)
         sampler = Sampler(broker.pid)
         sampler.start()
         stack.callback(sampler.stopping.set)
@@ -210,7 +218,8 @@ def test_closes_that_ignore_signals_do_not_hold_the_broker(public_tmp: Path) -> 
             status = None
         stop_time = time.monotonic() - started
         print(f"clients answered within {DEADLINE}s: {answered}/{CLIENTS} "
-              f"(slowest {max(waits):.3f}s); SigQ max {max(sampler.signals, default=-1)} "
+              f"(slowest {max(waits):.3f}s); SigQ before {baseline}, max "
+              f"{max(sampler.signals, default=-1)} "
               f"(last {sampler.signals[-5:]}); live broker children max "
               f"{max(sampler.children, default=-1)}; disposers abandoned {len(abandoned)}; "
               f"flushes sent {len(flushed_by)} by {len(set(flushed_by))} processes "
@@ -223,7 +232,7 @@ def test_closes_that_ignore_signals_do_not_hold_the_broker(public_tmp: Path) -> 
             f"broker threads: {states}"
         )
         assert abandoned, f"the broker never said it abandoned a disposer:\n{output[-3000:]}"
-        assert max(sampler.signals) <= MOST_QUEUED_SIGNALS, sampler.signals
+        assert max(sampler.signals) - baseline <= MOST_QUEUED_SIGNALS, (baseline, sampler.signals)
         assert max(sampler.children) <= MAX_ABANDONED + 1, sampler.children
         assert status == -signal.SIGTERM and stop_time < STOP_BOUND, (
             f"SIGTERM: status {status} after {stop_time:.2f}s; broker threads: "
