@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import select
 import signal
 import subprocess
@@ -161,7 +162,10 @@ def children(pid: int) -> list[int]:
 
 
 class Sampler(threading.Thread):
-    """The broker's C{SigQ} and its live children, every 50 ms until stopped."""
+    """
+    The broker's C{SigQ}, its live children and its open descriptors, every
+    50 ms until stopped.
+    """
 
     def __init__(self, pid: int) -> None:
         super().__init__(daemon=True)
@@ -169,12 +173,14 @@ class Sampler(threading.Thread):
         self.stopping = threading.Event()
         self.signals: list[int] = []
         self.children: list[int] = []
+        self.descriptors: list[int] = []
 
     def run(self) -> None:
         while not self.stopping.wait(0.05):
             try:
                 self.signals.append(queued_signals(self.pid))
                 self.children.append(len(children(self.pid)))
+                self.descriptors.append(len(os.listdir(f"/proc/{self.pid}/fd")))
             except OSError:
                 return
 
@@ -250,3 +256,64 @@ def test_closes_that_ignore_signals_do_not_hold_the_broker(public_tmp: Path) -> 
     # The connection aborted: every process that waited in a flush is gone.
     wait_for(lambda: not any(process_state(pid) == "D" for pid in stuck),
              "the abandoned disposers to leave D state once the FUSE connection was aborted")
+
+
+#: The broker's descriptor table in the bound test: small, as a node's
+#: limit is small against what a tenant can send, so that holding what the
+#: attacker sends without bound would show within seconds.
+SMALL_TABLE = 1024
+#: Connections a second the bound test's attacker makes (as fast as it can).
+FLOOD_RATE = 1000.0
+
+
+def test_a_wedged_disposer_bounds_what_the_broker_holds(public_tmp: Path) -> None:
+    """
+    Many more such descriptors, as fast as one process can pass them, once
+    every disposer the broker may abandon is stuck: no more than
+    C{MAX_ABANDONED} + 1 disposers alive, the broker's descriptor table
+    never full, and real clients still answered.
+    """
+    require_root()
+    problem = fuse_device_problem()
+    if problem is not None:
+        skip_or_fail(f"no FUSE filesystem can be served here: {problem}")
+
+    def small_table() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (SMALL_TABLE, SMALL_TABLE))
+
+    with ExitStack() as stack:
+        fuse = stack.enter_context(StalledFuse(public_tmp))
+        broker = stack.enter_context(BrokerProcess(
+            public_tmp / "broker", env={RECEIVE_DESCRIPTORS_ENV: "1"}, preexec_fn=small_table,
+        ))
+        broker.wait_listening()
+        attacker, opened = stack.enter_context(attacker_process(
+            ATTACKER, str(broker.socket_path), str(fuse.mountpoint), str(FILES),
+            str(BURST_CONNECTIONS), str(FLOOD_RATE), str(ATTACK_SECONDS),
+        ))
+        stack.callback(fuse.abort)
+        assert opened == {"opened": FILES}
+        sampler = Sampler(broker.pid)
+        sampler.start()
+        stack.callback(sampler.stopping.set)
+        clients = PacedClients(broker.socket_path, CLIENTS, DEADLINE, CLIENT_PAUSE)
+        stack.callback(clients.stop)
+        answered, waits = clients.answered_within(DEADLINE)
+        open_now = len(os.listdir(f"/proc/{broker.pid}/fd"))
+        sampler.stopping.set()
+        sampler.join(WAIT_SECONDS)
+        assert attacker.stdout is not None and attacker.stdin is not None
+        attacker.stdin.close()
+        ready, _, _ = select.select([attacker.stdout], [], [], WAIT_SECONDS)
+        report = json.loads(attacker.stdout.readline()) if ready else None
+        abandoned = re.findall(r"disposer (\d+) abandoned", broker.output())
+        print(f"attack: {report}; clients answered within {DEADLINE}s: {answered}/{CLIENTS}; "
+              f"live broker children max {max(sampler.children, default=-1)}; broker "
+              f"descriptors max {max(sampler.descriptors, default=-1)} (now {open_now}) of "
+              f"{SMALL_TABLE}; disposers abandoned {len(abandoned)}")
+        assert report is not None and report.get("descriptors sent", 0) > 10 * SMALL_TABLE, report
+        assert answered >= ANSWERED_SHARE * CLIENTS, (
+            f"{answered}/{CLIENTS} real clients answered within {DEADLINE}s; waits {waits}"
+        )
+        assert max(sampler.children) <= MAX_ABANDONED + 1, sampler.children
+        assert max(sampler.descriptors) < SMALL_TABLE * 3 // 4, sampler.descriptors
