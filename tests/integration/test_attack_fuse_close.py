@@ -239,12 +239,12 @@ def test_closes_that_ignore_signals_do_not_hold_the_broker(public_tmp: Path) -> 
               f"flushes sent {len(flushed_by)} by {len(set(flushed_by))} processes "
               f"(the broker's own: {flushed_by.count(broker.pid)}); "
               f"SIGTERM -> status {status} after {stop_time:.2f}s; broker threads: {states}")
-        assert attack_going, "the attacker or the FUSE server ended before the clients did"
         assert flushed_by, "no close of a passed FUSE file sent a flush"
         assert answered >= ANSWERED_SHARE * CLIENTS, (
             f"{answered}/{CLIENTS} real clients answered within {DEADLINE}s; waits {waits}; "
             f"broker threads: {states}"
         )
+        assert attack_going, "the attacker or the FUSE server ended before the clients did"
         assert max(sampler.signals) - baseline <= MOST_QUEUED_SIGNALS, (baseline, sampler.signals)
         assert status == -signal.SIGTERM and stop_time < STOP_BOUND, (
             f"SIGTERM: status {status} after {stop_time:.2f}s; broker threads: "
