@@ -30,6 +30,12 @@ Two modes, chosen once when the listener is created (L{DescriptorMode}):
     {1, 0}} (its close resets the connection at once) and is closed here;
     anything else goes to L{BackgroundCloser}, which has a disposer
     process close it (L{hostpid.broker.closer}): the broker never does.
+    The broker itself goes further and installs none
+    (C{takesDescriptors=False}, L{PassedDescriptors.mayReceive}): every
+    C{close(2)} of a descriptor, even of a copy, runs the file's C{flush},
+    which a FUSE server that never answers turns into an uninterruptible
+    wait, so its reads always peek first and a connection that carries
+    descriptors goes to the disposer whole.
 
 Room in the descriptor table (both I{received}-mode reads): a C{recvmsg}
 whose message carries more descriptors than the table can take installs what
