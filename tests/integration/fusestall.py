@@ -11,7 +11,8 @@ and then waits uninterruptibly (C{fs/fuse/dev.c}, C{request_wait_answer}):
 the closing thread stays in D state, deaf to every signal, C{SIGKILL}
 included, until the server answers or the connection is aborted.
 
-Run as a program (as root): C{fusestall.py MOUNTPOINT LOG}.  It opens
+Run as a program (as root): C{fusestall.py MOUNTPOINT LOG PARENT} (it dies
+with PARENT).  It opens
 C{/dev/fuse}, mounts it on MOUNTPOINT with C{mount(2)} (C{allow_other}, so
 that a UID 1000 attacker can open files there), prints one JSON line
 C{{"mounted": true, "connection": N}} (N: the connection's number under
@@ -36,6 +37,7 @@ import errno
 import json
 import os
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -62,6 +64,7 @@ NO_REPLY = {FORGET, BATCH_FORGET, INTERRUPT, FLUSH}
 ROOT = 1
 FILES = 64
 MS_NOSUID, MS_NODEV = 2, 4
+PR_SET_PDEATHSIG = 1
 
 
 def attributes(node: int) -> bytes:
@@ -102,9 +105,14 @@ def answer(device: int, opcode: int, unique: int, node: int, body: bytes) -> Non
         reply(device, unique, error=errno.ENOSYS)
 
 
-def serve(mountpoint: str, log_path: str) -> None:
-    device = os.open("/dev/fuse", os.O_RDWR)
+def serve(mountpoint: str, log_path: str, parent: int) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
+    # Dies with the test (even one killed by a timeout): the connection is
+    # then aborted, and nothing stays in D state for want of an answer.
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        return
+    device = os.open("/dev/fuse", os.O_RDWR)
     options = f"fd={device},rootmode=40000,user_id=0,group_id=0,allow_other"
     if libc.mount(b"hostpid-stall", mountpoint.encode(), b"fuse.hostpid-stall",
                   MS_NOSUID | MS_NODEV, options.encode()) != 0:
@@ -170,7 +178,7 @@ class StalledFuse:
         self.mountpoint.mkdir(mode=0o755)
         self.log.touch()
         self.server = subprocess.Popen(
-            [sys.executable, __file__, str(self.mountpoint), str(self.log)],
+            [sys.executable, __file__, str(self.mountpoint), str(self.log), str(os.getpid())],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
         )
         assert self.server.stdout is not None
@@ -208,4 +216,4 @@ class StalledFuse:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1], sys.argv[2])
+    serve(sys.argv[1], sys.argv[2], int(sys.argv[3]))
