@@ -147,3 +147,46 @@ while True:
     for _ in range(pending):
         open_one()
 """
+
+#: Defines C{nested_many(linger, count)} (with L{NESTED_LINGERING_SOCKETS}'
+#: pieces): C{count} Unix sockets, each carrying one lingering TCP socket in
+#: its receive queue, as C{nested(linger, "nested")} makes one.  The TCP
+#: sockets' queues are filled side by side, so that making a hundred costs
+#: about what making one does (each waits for its peer's window to stay
+#: shut): a flood of them at tens a second from one process.
+NESTED_LINGERING_MANY = NESTED_LINGERING_SOCKETS + r'''
+def lingering_many(linger, count):
+    socks = []
+    for _ in range(count):
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        keep.append(listener)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        sock.connect(listener.getsockname())
+        sock.setblocking(False)
+        socks.append(sock)
+    full = dict.fromkeys(socks, 0)
+    while any(n < 3 for n in full.values()):
+        for sock, n in full.items():
+            if n >= 3:
+                continue
+            try:
+                sock.send(b"x" * 65536)
+                full[sock] = 0
+            except BlockingIOError:
+                full[sock] = n + 1
+        time.sleep(0.01)
+    for sock in socks:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, linger))
+    return socks
+def nested_many(linger, count):
+    outers = []
+    for tcp in lingering_many(linger, count):
+        outer, _ = carrying(tcp)
+        tcp.close()
+        outers.append(outer)
+    return outers
+'''

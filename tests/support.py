@@ -313,9 +313,11 @@ def attacker_process(source: str, *args: str) -> Iterator[tuple[subprocess.Popen
         process.wait()
 
 
-#: The clients of L{each_answered}: argv socket path, count, bound, and
-#: this folder (for L{ask_pid}).  Prints its PID and, per client, the PID
-#: answered (or null) and the wait.
+#: The clients of L{each_answered} and L{paced_clients}: argv socket path,
+#: count, bound, this folder (for L{ask_pid}), whether to go on after a
+#: client that was not answered ("all") or stop ("first"), and the pause
+#: between clients.  Prints its PID and, per client, the PID answered (or
+#: null) and the wait.
 _CLIENTS = r"""
 import json, os, signal, sys, time
 sys.path.insert(0, sys.argv[4])
@@ -324,16 +326,26 @@ signal.signal(signal.SIGALRM, lambda *_: None)
 signal.siginterrupt(signal.SIGALRM, True)
 signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)
 path, count, bound = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+every, pause = sys.argv[5] == "all", float(sys.argv[6])
 results = []
 for _ in range(count):
     started = time.monotonic()
     pid = ask_pid(path, timeout=bound)
     results.append((pid, round(time.monotonic() - started, 3)))
-    if pid is None:
+    if pid is None and not every:
         break
+    if pause:
+        time.sleep(pause)
 signal.setitimer(signal.ITIMER_REAL, 0)  # before finalization restores SIGALRM's default
 print(json.dumps([os.getpid(), results]), flush=True)
 """
+
+
+def _clients_argv(
+    path: Path | str, count: int, bound: float, every: bool, pause: float
+) -> list[str]:
+    return [sys.executable, "-c", _CLIENTS, os.fspath(path), str(count), str(bound),
+            str(Path(__file__).resolve().parent), "all" if every else "first", str(pause)]
 
 
 def each_answered(path: Path | str, count: int, bound: float) -> list[float]:
@@ -348,8 +360,7 @@ def each_answered(path: Path | str, count: int, bound: float) -> list[float]:
     (with nothing to interrupt it) rather than the broker.
     """
     done = subprocess.run(
-        [sys.executable, "-c", _CLIENTS, os.fspath(path), str(count), str(bound),
-         str(Path(__file__).resolve().parent)],
+        _clients_argv(path, count, bound, every=False, pause=0.0),
         capture_output=True, text=True, env=subprocess_env(), timeout=count * bound + WAIT_SECONDS,
     )
     assert done.returncode == 0, f"clients exited {done.returncode}: {done.stderr}"
@@ -360,6 +371,48 @@ def each_answered(path: Path | str, count: int, bound: float) -> list[float]:
     )
     assert max(waits) < bound
     return waits
+
+
+class PacedClients:
+    """
+    C{count} real clients started in the background (as L{each_answered}'s,
+    in a child process), one after another with C{pause} seconds between
+    them, each a fresh connection with C{bound} on each step; unlike
+    L{each_answered} every one is tried, answered or not, so that a test
+    can count how many were answered while something else goes on.
+    """
+
+    def __init__(self, path: Path | str, count: int, bound: float, pause: float) -> None:
+        self.count = count
+        self.bound = bound
+        self.process = subprocess.Popen(
+            _clients_argv(path, count, bound, every=True, pause=pause),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
+        )
+        self.timeout = count * (bound + pause) + WAIT_SECONDS
+
+    def results(self) -> list[tuple[bool, float]]:
+        """Each client: whether it was answered with its own PID, and its wait."""
+        try:
+            out, err = self.process.communicate(timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.communicate()
+            raise AssertionError(f"the clients did not finish within {self.timeout}s") from None
+        assert self.process.returncode == 0, f"clients exited {self.process.returncode}: {err}"
+        own, results = json.loads(out)
+        assert len(results) == self.count
+        return [(pid == own, wait) for pid, wait in results]
+
+    def answered_within(self, bound: float) -> tuple[int, list[float]]:
+        """How many were answered within C{bound}, and every wait."""
+        results = self.results()
+        return sum(1 for ok, wait in results if ok and wait < bound), [w for _, w in results]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.communicate()
 
 
 def in_child(work, uid: int | None = None) -> tuple[int, int]:

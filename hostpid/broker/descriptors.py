@@ -30,6 +30,12 @@ Two modes, chosen once when the listener is created (L{DescriptorMode}):
     {1, 0}} (its close resets the connection at once) and is closed here;
     anything else goes to L{BackgroundCloser}, which has a disposer
     process close it (L{hostpid.broker.closer}): the broker never does.
+    The broker itself goes further and installs none
+    (C{takesDescriptors=False}, L{PassedDescriptors.mayReceive}): every
+    C{close(2)} of a descriptor, even of a copy, runs the file's C{flush},
+    which a FUSE server that never answers turns into an uninterruptible
+    wait, so its reads always peek first and a connection that carries
+    descriptors goes to the disposer whole.
 
 Room in the descriptor table (both I{received}-mode reads): a C{recvmsg}
 whose message carries more descriptors than the table can take installs what
@@ -166,6 +172,7 @@ class PassedDescriptors:
         reserved: int | None = None,
         outOfBand: bool | None = None,
         native: bool | None = None,
+        takesDescriptors: bool = True,
     ) -> None:
         """
         @param connections: how many connections the broker holds now (the
@@ -180,9 +187,21 @@ class PassedDescriptors:
         @param native: whether L{readFirst} and L{release} make their system
             calls through the C helper (and L{releaseDescriptor} can be
             used); by default, wherever it is built.
+        @param takesDescriptors: whether reads may install passed descriptors
+            in this process's table at all (L{mayReceive}).  The broker says
+            no: every C{close(2)} of a descriptor, not only of the last
+            reference, runs the file's C{flush}, and a FUSE file whose server
+            never answers it (or a hard NFS mount) holds the closing thread
+            in D state, deaf to every signal.  So not even the broker's own
+            copy of a descriptor handed to the disposer may be closed here,
+            and no child may be started while the table holds one (the
+            child's closes before and at C{exec} flush it too).  Reads then
+            always peek first (L{receiveWithoutRoom}) and a connection whose
+            queue carries descriptors goes to the disposer whole, unread.
         @raise RuntimeError: C{native} is true and the helper is not built.
         """
         self.outOfBand = unix_out_of_band_supported() if outOfBand is None else outOfBand
+        self.takesDescriptors = takesDescriptors
         self.closer = closer if closer is not None else BackgroundCloser(reactor=reactor)
         self.received = 0
         self.withoutRoom = 0
@@ -249,6 +268,13 @@ class PassedDescriptors:
         pending = self.closer.pending
         return pending <= self._closerRoom and connections + pending <= self._tableRoom
 
+    def mayReceive(self, connections: int | None = None) -> bool:
+        """
+        Whether a read may install passed descriptors here: only where this
+        instance L{takesDescriptors}, and then only while L{hasRoom}.
+        """
+        return self.takesDescriptors and self.hasRoom(connections)
+
     def receiveWithoutRoom(self, sock: _socket.socket, size: int) -> tuple[bytes, bool]:
         """
         Read without room for a full message: peek first with no ancillary
@@ -292,7 +318,7 @@ class PassedDescriptors:
         @raise OSError: as C{recvmsg} (C{BlockingIOError}: nothing waiting).
         """
         self.prepare(sock)
-        if self.hasRoom(connections):
+        if self.mayReceive(connections):
             data, carried = self.receive(sock, size)
         else:
             data, carried = self.receiveWithoutRoom(sock, size)
@@ -302,7 +328,7 @@ class PassedDescriptors:
         self, sock: _socket.socket | int, size: int, connections: int
     ) -> bytes | None:
         """L{readFirst}, its system calls made by the C helper (C{read})."""
-        room = self.hasRoom(connections)
+        room = self.mayReceive(connections)
         if not room:
             self.withoutRoom += 1
         got = _native.read(sock, size, self.outOfBand, room)
@@ -415,7 +441,7 @@ class PassedDescriptors:
         """The rest of L{release}: read the queue out, or hand it over."""
         found = False
         for _ in range(DRAIN_READS):
-            if not self.hasRoom():
+            if not self.mayReceive():
                 break
             try:
                 data, ancillary, _flags, _ = sock.recvmsg(

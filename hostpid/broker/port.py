@@ -196,6 +196,7 @@ class BrokerPort(unix.Port):
                     connections=lambda: factory.active,
                     reactor=self.reactor,
                     native=factory.calls.native,
+                    takesDescriptors=False,
                 )
             )
         skt.listen(self.backlog)

@@ -163,7 +163,7 @@ class WaitingConnection:
             if passed is None:
                 data = self.socket.recv(_READ, _RECV_FLAGS)
             else:
-                if passed.hasRoom():
+                if passed.mayReceive():
                     data, carried = passed.receive(self.socket, _READ)
                 else:
                     # A read now could overflow the descriptor table, and the
