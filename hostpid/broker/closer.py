@@ -10,21 +10,28 @@ can only be interrupted (a signal per close, queued against the node's
 C{RLIMIT_SIGPENDING}) and the second holds its thread, and the broker
 process itself, for good: it would not even finish dying on C{SIGKILL}.
 
-So the broker closes none of them.  L{BackgroundCloser} passes each one
-(with C{SCM_RIGHTS}, over a C{SOCK_SEQPACKET} socket pair) to a
-I{disposer} process (L{hostpid.broker.disposer}), then closes its own copy:
-never the last reference, since the message in flight holds one.  The
-disposer disarms lingering sockets before closing them and interrupts
-what is left with C{SIGALRM} within milliseconds, and reports its progress
-after each descriptor.  A disposer that makes no progress for
-L{STUCK_AFTER} is stuck in a close that ignores signals: it is killed and
-I{abandoned}, and a fresh one takes the next descriptors.  A killed
-disposer's lingering closes end at once (a fatal signal is pending); a FUSE
-flush does not, and that process stays in D state until the FUSE server
-answers, but the broker lives on, serves, and stops when asked.
-At most L{MAX_ABANDONED} abandoned disposers may still be alive: beyond
-that, descriptors wait in the broker (L{held}, counted in L{pending}), and
-reads stop taking new ones (L{PassedDescriptors.hasRoom}).
+So the broker closes none of them, and never even installs one: every
+C{close(2)} of a descriptor, not only of its last reference, runs the file's
+C{flush}, so a FUSE file would hold whichever thread closed any copy of it
+(L{hostpid.broker.descriptors.PassedDescriptors}, C{takesDescriptors}).  A
+connection whose queue holds passed descriptors goes whole to
+L{BackgroundCloser}, which passes it (with C{SCM_RIGHTS}, over a
+C{SOCK_SEQPACKET} socket pair) to a I{disposer} process
+(L{hostpid.broker.disposer}) and closes its own copy: a Unix socket, which
+has no flush, and never the last reference, since the message in flight
+holds one.  The disposer drains each connection with no room for ancillary
+data, so the kernel drops the queued descriptors' references itself, with
+their C{release} and never their C{flush}; a release that waits (a
+lingering socket's) is interrupted by its C{SIGALRM} timer within
+milliseconds.  It reports its progress after each connection.  A disposer
+that makes no progress for L{STUCK_AFTER} is stuck in a wait that ignores
+signals (a release on a hard NFS mount, for one): it is killed and
+I{abandoned}, and a fresh one takes the next connections.  A killed
+disposer's interruptible waits end at once (a fatal signal is pending);
+the rest keep that process in D state, but the broker lives on, serves,
+and stops when asked.  At most L{MAX_ABANDONED} abandoned disposers may
+still be alive: beyond that, connections wait in the broker (L{held},
+counted in L{pending}).
 
 None of this touches accepting: connections that carry no descriptor are
 accepted, read and answered whatever the disposer is doing.
@@ -96,7 +103,7 @@ class Disposer:
         #: Descriptors sent, and the disposer's running totals as last read.
         self.sent = 0
         self.closed = 0
-        self.disarmed = 0
+        self.drained = 0
         self.interrupted = 0
         #: L{closed} at the last stuck check.
         self.checked = 0
@@ -126,7 +133,7 @@ class Disposer:
                 break
         if not latest or len(latest) != disposer.PROGRESS.size:
             return False
-        self.closed, self.disarmed, self.interrupted = disposer.PROGRESS.unpack(latest)
+        self.closed, self.drained, self.interrupted = disposer.PROGRESS.unpack(latest)
         return True
 
     def fileno(self) -> int:
@@ -184,7 +191,7 @@ class BackgroundCloser:
         self.spawnFailures = 0
         self.abandoned: list[Disposer] = []
         #: Progress of disposers no longer in use, added to the live one's.
-        self._retiredDisarmed = 0
+        self._retiredDrained = 0
         self._retiredInterrupted = 0
 
     # The counters the broker's metrics and readiness read.
@@ -219,10 +226,10 @@ class BackgroundCloser:
         return self._watch.active
 
     @property
-    def disarmed(self) -> int:
-        """Lingering sockets reset, and Unix sockets drained, by disposers."""
-        live = self._disposer.disarmed if self._disposer is not None else 0
-        return self._retiredDisarmed + live
+    def drained(self) -> int:
+        """Connections whose queue held passed descriptors, read out by disposers."""
+        live = self._disposer.drained if self._disposer is not None else 0
+        return self._retiredDrained + live
 
     @property
     def interrupted(self) -> int:
@@ -345,8 +352,8 @@ class BackgroundCloser:
             # Said at powers of two: a flood of them writes a few lines.
             self.log.info(
                 "hostpid-broker: {count} passed descriptors closed by the disposer so far "
-                "({disarmed} disarmed, {interrupted} interrupted)",
-                count=self._closed, disarmed=self.disarmed, interrupted=self.interrupted,
+                "({drained} drained, {interrupted} interrupted)",
+                count=self._closed, drained=self.drained, interrupted=self.interrupted,
             )
         if self.held:
             self._send()
@@ -389,7 +396,7 @@ class BackgroundCloser:
         owed = which.owed
         self.pending -= owed
         self._closed += owed
-        self._retiredDisarmed += which.disarmed
+        self._retiredDrained += which.drained
         self._retiredInterrupted += which.interrupted
         try:
             which.process.send_signal(signal.SIGKILL)
@@ -419,7 +426,7 @@ class BackgroundCloser:
         if current is not None:
             self._stopReading(current)
             current.channel.close()
-            self._retiredDisarmed += current.disarmed
+            self._retiredDrained += current.drained
             self._retiredInterrupted += current.interrupted
         self._watch.forget(self._guard)
 

@@ -59,9 +59,10 @@ connections are bare descriptors (L{hostpid.broker.connections}).  Where
 it is not built (no compiler at install) the Python path below makes them,
 and is the reference the C one is tested against.
 
-No passed descriptor is closed in the broker (L{hostpid.broker.closer}):
-the disposer process disarms lingering sockets, interrupts what it cannot
-disarm within milliseconds, and is abandoned if a close ignores signals.
+No passed descriptor is installed or closed in the broker
+(L{hostpid.broker.closer}): a connection whose queue holds some goes whole
+to the disposer process, which drops them unread, interrupts a release
+that waits within milliseconds, and is abandoned if one ignores signals.
 The reactor thread's own closes (a connection whose queue is empty; on
 kernels before 6.10 any Unix socket close may run the kernel's collector
 of in-flight garbage here) are still watched (L{hostpid.broker.closewatch}).

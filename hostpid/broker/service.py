@@ -622,11 +622,11 @@ class BrokerService(Service):
         watch = passed.closer.watch
         if watch.active:
             self.log.info(
-                "hostpid-broker: closes are bounded: passed descriptors are closed by a "
-                "disposer process (lingering sockets disarmed, other closes interrupted within "
-                "a few ms, a disposer stuck in a close that ignores signals abandoned after "
-                "{stuck}s); the broker's own closes are interrupted after about {bound:.0f} ms "
-                "(signal {signum}, at most {most} times a close)",
+                "hostpid-broker: closes are bounded: passed descriptors are never installed "
+                "here; connections carrying them are drained by a disposer process (waits "
+                "interrupted within a few ms, a disposer stuck in one that ignores signals "
+                "abandoned after {stuck}s); the broker's own closes are interrupted after about "
+                "{bound:.0f} ms (signal {signum}, at most {most} times a close)",
                 stuck=passed.closer.stuckAfter, bound=2000 * watch.pollBusy,
                 signum=int(watch.signum), most=INTERRUPTS_PER_CLOSE,
             )
