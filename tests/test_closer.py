@@ -50,11 +50,11 @@ def nested(attacker) -> tuple[int, socket.socket]:
     return outer.detach(), peer
 
 
-def never_reads(channel: int) -> subprocess.Popen[bytes]:
+def never_reads(channel: int, progress: int) -> subprocess.Popen[bytes]:
     """A disposer that takes nothing and closes nothing: stuck from the start."""
     return subprocess.Popen(
         [sys.executable, "-I", "-S", "-c", "import time; time.sleep(600)"],
-        pass_fds=(channel,), stdin=subprocess.DEVNULL,
+        pass_fds=(channel, progress), stdin=subprocess.DEVNULL,
     )
 
 
@@ -112,10 +112,12 @@ def test_a_disposer_that_makes_no_progress_is_abandoned_and_replaced() -> None:
     clock = MemoryReactorClock()
     spawned: list[subprocess.Popen[bytes]] = []
 
-    def first_stuck(channel: int) -> subprocess.Popen[bytes]:
+    def first_stuck(channel: int, progress: int) -> subprocess.Popen[bytes]:
         from hostpid.broker.closer import spawn_disposer
 
-        process = never_reads(channel) if not spawned else spawn_disposer(channel)
+        process = (
+            never_reads(channel, progress) if not spawned else spawn_disposer(channel, progress)
+        )
         spawned.append(process)
         return process
 
@@ -171,12 +173,12 @@ def test_a_disposer_that_cannot_start_is_not_counted_and_is_tried_again() -> Non
     clock = MemoryReactorClock()
     refusals = [OSError(11, "Resource temporarily unavailable")]
 
-    def refused_once(channel: int) -> subprocess.Popen[bytes]:
+    def refused_once(channel: int, progress: int) -> subprocess.Popen[bytes]:
         from hostpid.broker.closer import spawn_disposer
 
         if refusals:
             raise refusals.pop()
-        return spawn_disposer(channel)
+        return spawn_disposer(channel, progress)
 
     closer = BackgroundCloser(reactor=clock, watch=CloseWatch(), spawn=refused_once)
     read, write = os.pipe()
@@ -246,3 +248,43 @@ def test_a_busy_close_is_signalled_a_bounded_number_of_times() -> None:
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
         watch.forget(guard)
+
+
+def test_at_the_bound_a_stuck_disposer_is_kept_and_parks_what_follows() -> None:
+    """
+    With as many abandoned disposers alive as the bound allows (here 0), a
+    stuck one is not killed: no fresh one could start, and its stream goes
+    on taking connections in flight, out of the broker's descriptor table,
+    far beyond the 10 messages a datagram pair would take.
+    """
+    clock = MemoryReactorClock()
+    spawned: list[subprocess.Popen[bytes]] = []
+
+    def stuck(channel: int, progress: int) -> subprocess.Popen[bytes]:
+        process = never_reads(channel, progress)
+        spawned.append(process)
+        return process
+
+    closer = BackgroundCloser(
+        reactor=clock, watch=CloseWatch(), stuckAfter=0.5, maxAbandoned=0, spawn=stuck
+    )
+    writes = []
+    try:
+        before = len(os.listdir("/proc/self/fd"))
+        for _ in range(300):
+            read, write = os.pipe()
+            writes.append(write)
+            closer.submit(read)
+        clock.advance(0.5)
+        clock.advance(0.5)
+        assert len(spawned) == 1 and spawned[0].poll() is None, "kept, not killed"
+        assert not closer.held, "every one in flight to it"
+        assert closer.pending == 300
+        # The broker holds the write ends and two sockets to the disposer, no read end.
+        assert len(os.listdir("/proc/self/fd")) == before + 300 + 2
+    finally:
+        closer.stop()
+        spawned[0].kill()
+        spawned[0].wait()
+        for write in writes:
+            os.close(write)

@@ -223,9 +223,9 @@ def test_release_without_room_hands_the_connection_over_undrained(pair) -> None:
     assert receiver.release(server) is False, "nothing was read"
     assert receiver.received == 0
     wait_for(lambda: closer.closed == 1, "the closer to close the whole connection")
-    # The connection is gone; the disposer's channel, opened on first use, came.
+    # The connection is gone; the disposer's two sockets, opened on first use, came.
     assert closer.disposerPid is not None
-    assert fd_count() == before - 1 + 1
+    assert fd_count() == before - 1 + 2
     closer.stop()
     assert fd_count() == before - 1
 

@@ -30,8 +30,10 @@ I{abandoned}, and a fresh one takes the next connections.  A killed
 disposer's interruptible waits end at once (a fatal signal is pending);
 the rest keep that process in D state, but the broker lives on, serves,
 and stops when asked.  At most L{MAX_ABANDONED} abandoned disposers may
-still be alive: beyond that, connections wait in the broker (L{held},
-counted in L{pending}).
+still be alive: past that, a stuck disposer is kept, and connections wait
+in flight on its stream (L{CHANNEL_BUFFER}), in no descriptor table; only
+once that is full do they wait in the broker (L{held}, counted in
+L{pending}).
 
 None of this touches accepting: connections that carry no descriptor are
 accepted, read and answered whatever the disposer is doing.
@@ -65,28 +67,41 @@ CLOSER_QUEUE = 2 * 256
 #: others within milliseconds): abandoned.
 STUCK_AFTER = 0.5
 
-#: Abandoned disposers that may still be alive (stuck in D state) before no
-#: new one is started: a tenant with a FUSE mount cannot fill the node's
-#: process table through the broker.
+#: Abandoned disposers that may still be alive (stuck in D state) before a
+#: stuck one is kept instead of replaced: a tenant able to wedge them (a
+#: FUSE or NFS server of its own) cannot fill the node's process table
+#: through the broker.
 MAX_ABANDONED = 8
 
 #: Descriptors one message carries at most (the kernel's C{SCM_MAX_FD}).
 _BATCH = disposer.SCM_MAX_FD
 
+#: The send buffer of the stream connections go to a disposer on (bytes):
+#: each message (a byte and up to 253 connections) costs about a kilobyte
+#: of it, so some 16,000 messages can wait for a disposer that is slow or
+#: stuck, in flight, in no descriptor table.
+CHANNEL_BUFFER = 16 * 1024 * 1024
+
+#: C{SO_SNDBUFFORCE} (C{asm-generic/socket.h}): past C{net.core.wmem_max},
+#: for a process with C{CAP_NET_ADMIN}.
+_SO_SNDBUFFORCE = 32
+
 _SOURCE = Path(disposer.__file__).read_text()
 
 
-def spawn_disposer(channel: int) -> subprocess.Popen[bytes]:
+def spawn_disposer(channel: int, progress: int) -> subprocess.Popen[bytes]:
     """
-    Start a disposer on C{channel} (its end of the socket pair): a fresh
-    interpreter, isolated (C{-I}: no environment variables, no user site,
-    no current directory on the path) and without C{site} (C{-S}), running
-    L{hostpid.broker.disposer}'s source.  Nothing of the broker's is
-    inherited but C{channel}.
+    Start a disposer on C{channel} (its end of the stream it is sent
+    connections on) and C{progress} (its end of the pair it reports on): a
+    fresh interpreter, isolated (C{-I}: no environment variables, no user
+    site, no current directory on the path) and without C{site} (C{-S}),
+    running L{hostpid.broker.disposer}'s source.  Nothing of the broker's
+    is inherited but those two.
     """
     return subprocess.Popen(
-        [sys.executable, "-I", "-S", "-c", _SOURCE, str(channel), str(os.getpid())],
-        pass_fds=(channel,),
+        [sys.executable, "-I", "-S", "-c", _SOURCE, str(channel), str(progress),
+         str(os.getpid())],
+        pass_fds=(channel, progress),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -94,12 +109,36 @@ def spawn_disposer(channel: int) -> subprocess.Popen[bytes]:
     )
 
 
+def _channel_pair() -> tuple[socket.socket, socket.socket]:
+    """
+    The stream the broker sends connections on.  A stream, because a Unix
+    datagram or seqpacket peer takes at most C{net.unix.max_dgram_qlen}
+    (10) messages: a stream takes as many as the sender's buffer holds, and
+    the broker, as root, makes that L{CHANNEL_BUFFER} (C{SO_SNDBUFFORCE}).
+    Connections in flight there are in no process's descriptor table: a
+    disposer stuck at the bound on abandoned ones still parks them for the
+    broker, whose own table stays small.
+    """
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    for option in (_SO_SNDBUFFORCE, socket.SO_SNDBUF):
+        try:
+            ours.setsockopt(socket.SOL_SOCKET, option, CHANNEL_BUFFER)
+            break
+        except OSError:
+            continue
+    return ours, theirs
+
+
 class Disposer:
     """One disposer process, as the broker sees it."""
 
-    def __init__(self, process: subprocess.Popen[bytes], channel: socket.socket) -> None:
+    def __init__(
+        self, process: subprocess.Popen[bytes], channel: socket.socket,
+        progress: socket.socket,
+    ) -> None:
         self.process = process
         self.channel = channel
+        self.progressChannel = progress
         #: Descriptors sent, and the disposer's running totals as last read.
         self.sent = 0
         self.closed = 0
@@ -109,6 +148,8 @@ class Disposer:
         self.checked = 0
         #: Whether its end of the pair was found closed (it exited).
         self.ended = False
+        #: Whether it is kept although stuck (the bound on abandoned ones).
+        self.kept = False
         #: The reactor's reader of its reports, while one is added.
         self.reader: _ProgressReader | None = None
 
@@ -122,7 +163,7 @@ class Disposer:
         latest = None
         while True:
             try:
-                latest = self.channel.recv(disposer.PROGRESS.size, socket.MSG_DONTWAIT)
+                latest = self.progressChannel.recv(disposer.PROGRESS.size, socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError:
@@ -137,7 +178,11 @@ class Disposer:
         return True
 
     def fileno(self) -> int:
-        return self.channel.fileno()
+        return self.progressChannel.fileno()
+
+    def close(self) -> None:
+        self.channel.close()
+        self.progressChannel.close()
 
 
 class BackgroundCloser:
@@ -164,7 +209,7 @@ class BackgroundCloser:
         reactor: Any = None,
         stuckAfter: float = STUCK_AFTER,
         maxAbandoned: int = MAX_ABANDONED,
-        spawn: Callable[[int], subprocess.Popen[bytes]] = spawn_disposer,
+        spawn: Callable[[int, int], subprocess.Popen[bytes]] = spawn_disposer,
     ) -> None:
         self.limit = limit
         self.stuckAfter = stuckAfter
@@ -291,17 +336,22 @@ class BackgroundCloser:
             self._armCheck()
 
     def _start(self) -> Disposer | None:
-        """A fresh disposer, or C{None} (too many abandoned, or it cannot start)."""
-        if self.stuckDisposers >= self.maxAbandoned:
-            return None
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        """
+        A fresh disposer, or C{None} if it cannot start.  (No bound to check
+        here: one is abandoned only while fewer than L{maxAbandoned} are
+        alive, so at most that many and this one are.)
+        """
+        ours, theirs = _channel_pair()
+        reports, reporter = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             try:
-                process = self._spawn(theirs.fileno())
+                process = self._spawn(theirs.fileno(), reporter.fileno())
             finally:
                 theirs.close()
+                reporter.close()
         except OSError as e:
             ours.close()
+            reports.close()
             self.spawnFailures += 1
             if self.spawnFailures & (self.spawnFailures - 1) == 0:
                 self.log.warn(
@@ -312,7 +362,8 @@ class BackgroundCloser:
             self._armCheck()
             return None
         ours.setblocking(False)
-        self._disposer = Disposer(process, ours)
+        reports.setblocking(False)
+        self._disposer = Disposer(process, ours, reports)
         self.started += 1
         self._startReading()
         return self._disposer
@@ -375,11 +426,22 @@ class BackgroundCloser:
         if current is not None:
             self.progress(current)
             if current.owed and current.closed == current.checked:
-                self._abandon(
-                    current,
-                    f"no close finished in {self.stuckAfter:.1f}s (a descriptor whose close "
-                    "ignores signals)",
-                )
+                if self.stuckDisposers < self.maxAbandoned:
+                    self._abandon(
+                        current,
+                        f"no connection drained in {self.stuckAfter:.1f}s (a wait that "
+                        "ignores signals)",
+                    )
+                elif not current.kept:
+                    # No fresh one may start: keep this one, whose stream
+                    # goes on parking connections in flight for the broker.
+                    current.kept = True
+                    self.log.warn(
+                        "hostpid-broker: disposer {pid} is stuck too and {most} abandoned "
+                        "disposers are alive: connections carrying descriptors wait in flight "
+                        "to it ({owed} so far)",
+                        pid=current.process.pid, most=self.maxAbandoned, owed=current.owed,
+                    )
             else:
                 current.checked = current.closed
         if self.held:
@@ -402,7 +464,7 @@ class BackgroundCloser:
             which.process.send_signal(signal.SIGKILL)
         except OSError:
             pass
-        which.channel.close()
+        which.close()
         self.abandoned.append(which)
         self.log.warn(
             "hostpid-broker: disposer {pid} abandoned: {why}; {owed} descriptors went with it "
@@ -425,7 +487,7 @@ class BackgroundCloser:
         current, self._disposer = self._disposer, None
         if current is not None:
             self._stopReading(current)
-            current.channel.close()
+            current.close()
             self._retiredDrained += current.drained
             self._retiredInterrupted += current.interrupted
         self._watch.forget(self._guard)

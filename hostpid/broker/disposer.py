@@ -1,12 +1,13 @@
 """
 The disposer: a small process of its own that closes what clients passed.
 
-This file is run as a program (C{python -I -S -c SOURCE FD PARENT}), never
+This file is run as a program (C{python -I -S -c SOURCE FD PROGRESS PARENT}), never
 imported by the broker: it uses the standard library only, so that the
 child starts in a few milliseconds and depends on nothing the broker's
 environment might shadow.  L{hostpid.broker.descriptors.BackgroundCloser}
-starts it, sends it connections over a C{SOCK_SEQPACKET} socket pair
-(C{SCM_RIGHTS}, up to C{SCM_MAX_FD} a message) and reads its progress.
+starts it, sends it connections over a Unix stream (C{SCM_RIGHTS}, up to
+C{SCM_MAX_FD} a message, one byte each) and reads its progress on a
+C{SOCK_SEQPACKET} pair.
 
 What it is sent: client connections (Unix stream sockets) whose receive
 queue holds descriptors some client passed.  The broker never installs such
@@ -164,9 +165,9 @@ def drain(sock: socket.socket) -> bool:
     return found
 
 
-def report(channel: socket.socket) -> None:
+def report(progress: socket.socket) -> None:
     try:
-        channel.send(PROGRESS.pack(closed, drained, interrupted), socket.MSG_DONTWAIT)
+        progress.send(PROGRESS.pack(closed, drained, interrupted), socket.MSG_DONTWAIT)
     except OSError:
         pass
 
@@ -180,7 +181,7 @@ def descriptors_in(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
     return fds
 
 
-def main(fd: int, parent: int) -> None:
+def main(fd: int, progressFd: int, parent: int) -> None:
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):
@@ -193,6 +194,7 @@ def main(fd: int, parent: int) -> None:
     for other in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
         signal.signal(other, signal.SIG_IGN)
     channel = socket.socket(fileno=fd)
+    progress = socket.socket(fileno=progressFd)
     while True:
         try:
             # From the broker: its connections only (Unix sockets, which
@@ -208,8 +210,8 @@ def main(fd: int, parent: int) -> None:
             return
         for connection in descriptors_in(ancillary):
             dispose(connection)
-            report(channel)
+            report(progress)
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]))
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
