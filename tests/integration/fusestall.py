@@ -34,6 +34,14 @@ Two options change what it answers (argv after PARENT):
     Each lock request is logged as C{setlk PID TYPE}, each C{RELEASE} as
     C{release PID RELEASE_FLAGS} (C{FUSE_RELEASE_FLOCK_UNLOCK}, 2, is how
     the kernel asks the server to drop a file's flock lock at its release).
+  - C{writeback}: the C{INIT} reply advertises C{FUSE_WRITEBACK_CACHE}
+    (writes only dirty the page cache; the kernel writes them back later),
+    files are mode 0666, C{FLUSH} is answered, and C{WRITE} never is (each
+    logged as C{write PID}).  A release of a file's last reference then
+    writes back the inode's dirty pages and waits for them
+    (C{fs/fuse/file.c} C{fuse_release}: C{write_inode_now(inode, 1)} when
+    C{fc->writeback_cache}), in D state, deaf to C{SIGKILL}
+    (C{folio_wait_writeback}), until the connection is aborted.
   - C{answer-all}: every request that has an answer is answered, C{FLUSH}
     and unlocks included: the control run that shows a test can tell.
 
@@ -82,6 +90,8 @@ OPENDIR, RELEASEDIR, SETLK, SETLKW, INTERRUPT, BATCH_FORGET = 27, 29, 32, 33, 36
 NO_REPLY = {FORGET, BATCH_FORGET, INTERRUPT}
 FUSE_POSIX_LOCKS, FUSE_FLOCK_LOCKS = 1 << 1, 1 << 10
 F_UNLCK = 2
+FUSE_WRITEBACK_CACHE = 1 << 16
+WRITE = 16
 
 ROOT = 1
 FILES = 64
@@ -89,10 +99,10 @@ MS_NOSUID, MS_NODEV = 2, 4
 PR_SET_PDEATHSIG = 1
 
 
-def attributes(node: int) -> bytes:
+def attributes(node: int, mode: int = 0o444) -> bytes:
     if node == ROOT:
         return ATTR.pack(node, 0, 0, 0, 0, 0, 0, 0, 0, 0o040755, 2, 0, 0, 0, 4096, 0)
-    return ATTR.pack(node, 0, 0, 0, 0, 0, 0, 0, 0, 0o100444, 1, 0, 0, 0, 4096, 0)
+    return ATTR.pack(node, 0, 0, 0, 0, 0, 0, 0, 0, 0o100000 | mode, 1, 0, 0, 0, 4096, 0)
 
 
 def reply(device: int, unique: int, body: bytes = b"", error: int = 0) -> None:
@@ -105,12 +115,13 @@ def reply(device: int, unique: int, body: bytes = b"", error: int = 0) -> None:
 
 
 def answer(device: int, opcode: int, unique: int, node: int, body: bytes,
-           flock: bool = False) -> None:
+           flock: bool = False, writeback: bool = False) -> None:
+    mode = 0o666 if writeback else 0o444
     if opcode == INIT:
         major, minor, readahead, _ = INIT_IN.unpack_from(body)
         # Remote flock locks need protocol 7.17 or later (fs/fuse/inode.c,
         # process_init_reply: without FUSE_FLOCK_LOCKS, fc->no_flock).
-        flags = FUSE_FLOCK_LOCKS if flock else 0
+        flags = (FUSE_FLOCK_LOCKS if flock else 0) | (FUSE_WRITEBACK_CACHE if writeback else 0)
         reply(device, unique, INIT_OUT.pack(7, min(minor, 38), readahead, flags, 16, 12,
                                             65536, 1, 0, 0, 0))
     elif opcode == LOOKUP:
@@ -120,11 +131,15 @@ def answer(device: int, opcode: int, unique: int, node: int, body: bytes,
             reply(device, unique, error=errno.ENOENT)
         else:
             child = 2 + index
-            reply(device, unique, ENTRY_OUT.pack(child, 0, 3600, 3600, 0, 0) + attributes(child))
+            entry = ENTRY_OUT.pack(child, 0, 3600, 3600, 0, 0)
+            reply(device, unique, entry + attributes(child, mode))
     elif opcode == GETATTR:
-        reply(device, unique, ATTR_OUT.pack(3600, 0, 0) + attributes(node))
+        reply(device, unique, ATTR_OUT.pack(3600, 0, 0) + attributes(node, mode))
     elif opcode in (OPEN, OPENDIR):
         reply(device, unique, OPEN_OUT.pack(unique, 0, 0))
+    elif opcode == WRITE:
+        # fuse_write_in's size; fuse_write_out: size, padding.
+        reply(device, unique, struct.pack("=II", struct.unpack_from("=QQI", body)[2], 0))
     elif opcode in (RELEASE, RELEASEDIR, FLUSH, SETLK, SETLKW):
         reply(device, unique)
     else:
@@ -134,6 +149,7 @@ def answer(device: int, opcode: int, unique: int, node: int, body: bytes,
 def serve(mountpoint: str, log_path: str, parent: int, options: frozenset[str] = frozenset()
           ) -> None:
     flock = "flock" in options
+    writeback = "writeback" in options
     answer_all = "answer-all" in options
     libc = ctypes.CDLL(None, use_errno=True)
     # Dies with the test (even one killed by a timeout): the connection is
@@ -171,15 +187,18 @@ def serve(mountpoint: str, log_path: str, parent: int, options: frozenset[str] =
             log.write(f"open {pid}\n")
         elif opcode == FLUSH:
             log.write(f"flush {pid}\n")
-            silent = not (flock or answer_all)
+            silent = not (flock or writeback or answer_all)
         elif opcode in (SETLK, SETLKW):
             kind = LK_IN.unpack_from(body)[4]
             log.write(f"setlk {pid} {kind}\n")
             silent = kind == F_UNLCK and not answer_all
+        elif opcode == WRITE and writeback:
+            log.write(f"write {pid}\n")
+            silent = not answer_all
         elif opcode == RELEASE:
             log.write(f"release {pid} {RELEASE_IN.unpack_from(body)[2]}\n")
         if opcode not in NO_REPLY and not silent:
-            answer(device, opcode, unique, node, body, flock)
+            answer(device, opcode, unique, node, body, flock, writeback)
 
 
 def fuse_device_problem() -> str | None:
@@ -235,7 +254,7 @@ class StalledFuse:
     def requests(self, kind: str) -> list[list[int]]:
         """
         The logged requests of one kind (C{open}, C{flush}, C{setlk},
-        C{release}), in order: each the sender's PID and what else is logged.
+        C{release}, C{write}), in order: each the sender's PID and what else is logged.
         """
         return [[int(field) for field in line.split()[1:]]
                 for line in self.log.read_text().splitlines() if line.split()[0] == kind]
