@@ -50,10 +50,19 @@ def nested(attacker) -> tuple[int, socket.socket]:
     return outer.detach(), peer
 
 
-def never_reads(channel: int, progress: int) -> subprocess.Popen[bytes]:
-    """A disposer that takes nothing and closes nothing: stuck from the start."""
+def never_reads(channel: int, progress: int, ready: bool = True) -> subprocess.Popen[bytes]:
+    """
+    A disposer that says it is ready (unless not C{ready}), then takes
+    nothing and closes nothing: stuck from the start.
+    """
+    program = (
+        "import socket, struct, sys, time\n"
+        "if sys.argv[2] == 'ready':\n"
+        "    socket.socket(fileno=int(sys.argv[1])).send(struct.pack('=QQQ', 0, 0, 0))\n"
+        "time.sleep(600)\n"
+    )
     return subprocess.Popen(
-        [sys.executable, "-I", "-S", "-c", "import time; time.sleep(600)"],
+        [sys.executable, "-I", "-S", "-c", program, str(progress), "ready" if ready else "-"],
         pass_fds=(channel, progress), stdin=subprocess.DEVNULL,
     )
 
@@ -127,6 +136,7 @@ def test_a_disposer_that_makes_no_progress_is_abandoned_and_replaced() -> None:
     read, write = os.pipe()
     closer.submit(read)
     assert (closer.pending, closer.saturated) == (1, False)
+    wait_for(lambda: closer.disposerReady, "the stuck disposer to say it is ready")
     clock.advance(0.5)
     assert closer.closed == 1 and closer.pending == 0, "the stuck disposer's debt written off"
     assert spawned[0].wait(timeout=10) == -signal.SIGKILL
@@ -275,6 +285,7 @@ def test_at_the_bound_a_stuck_disposer_is_kept_and_parks_what_follows() -> None:
             read, write = os.pipe()
             writes.append(write)
             closer.submit(read)
+        wait_for(lambda: closer.disposerReady, "the stuck disposer to say it is ready")
         clock.advance(0.5)
         clock.advance(0.5)
         assert len(spawned) == 1 and spawned[0].poll() is None, "kept, not killed"
@@ -288,3 +299,39 @@ def test_at_the_bound_a_stuck_disposer_is_kept_and_parks_what_follows() -> None:
         spawned[0].wait()
         for write in writes:
             os.close(write)
+
+
+def test_a_disposer_slow_to_start_is_waited_for_and_one_that_never_does_is_abandoned() -> None:
+    """
+    A fresh interpreter on a loaded node, or under emulation, may take
+    longer than STUCK_AFTER to start: before its first report it is not
+    judged by progress (before, a kernel-matrix guest killed every disposer
+    before it ran, and nothing passed was ever closed), and only one that
+    never reports within STARTUP_TIMEOUT is abandoned.
+    """
+    from hostpid.broker.closer import STARTUP_TIMEOUT
+
+    clock = MemoryReactorClock()
+    spawned: list[subprocess.Popen[bytes]] = []
+
+    def silent(channel: int, progress: int) -> subprocess.Popen[bytes]:
+        process = never_reads(channel, progress, ready=False)
+        spawned.append(process)
+        return process
+
+    closer = BackgroundCloser(reactor=clock, watch=CloseWatch(), stuckAfter=0.5, spawn=silent)
+    read, write = os.pipe()
+    try:
+        closer.submit(read)
+        clock.advance(0.5)
+        clock.advance(0.5)
+        assert spawned[0].poll() is None and closer.started == 1, "waited for, not abandoned"
+        while clock.seconds() < STARTUP_TIMEOUT + 1:
+            clock.advance(0.5)
+        assert spawned[0].wait(timeout=10) == -signal.SIGKILL, "abandoned: it never started"
+    finally:
+        closer.stop()
+        for process in spawned:
+            process.kill()
+            process.wait()
+        os.close(write)

@@ -67,6 +67,9 @@ CLOSER_QUEUE = 2 * 256
 #: others within milliseconds): abandoned.
 STUCK_AFTER = 0.5
 
+#: How long a disposer may take to start (seconds) before it is abandoned.
+STARTUP_TIMEOUT = 30.0
+
 #: Abandoned disposers that may still be alive (stuck in D state) before a
 #: stuck one is kept instead of replaced: a tenant able to wedge them (a
 #: FUSE or NFS server of its own) cannot fill the node's process table
@@ -150,6 +153,10 @@ class Disposer:
         self.ended = False
         #: Whether it is kept although stuck (the bound on abandoned ones).
         self.kept = False
+        #: Whether it has reported once (it does as soon as it runs), and
+        #: when it was started (the reactor's clock).
+        self.ready = False
+        self.startedAt = 0.0
         #: The reactor's reader of its reports, while one is added.
         self.reader: _ProgressReader | None = None
 
@@ -163,17 +170,21 @@ class Disposer:
         latest = None
         while True:
             try:
-                latest = self.progressChannel.recv(disposer.PROGRESS.size, socket.MSG_DONTWAIT)
+                report = self.progressChannel.recv(disposer.PROGRESS.size, socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError:
                 self.ended = True
                 break
-            if not latest:
+            if not report:
                 self.ended = True
                 break
-        if not latest or len(latest) != disposer.PROGRESS.size:
+            if len(report) == disposer.PROGRESS.size:
+                latest = report
+        if latest is None:
             return False
+        # Its first report, sent as it starts, says it is ready.
+        self.ready = True
         self.closed, self.drained, self.interrupted = disposer.PROGRESS.unpack(latest)
         return True
 
@@ -293,6 +304,12 @@ class BackgroundCloser:
         return len(self.abandoned)
 
     @property
+    def disposerReady(self) -> bool:
+        """Whether the disposer in use has started and reported (its reports read now)."""
+        self.progress()
+        return self._disposer is not None and self._disposer.ready
+
+    @property
     def disposerPid(self) -> int | None:
         """The disposer in use, if one is running."""
         return self._disposer.process.pid if self._disposer is not None else None
@@ -364,6 +381,7 @@ class BackgroundCloser:
         ours.setblocking(False)
         reports.setblocking(False)
         self._disposer = Disposer(process, ours, reports)
+        self._disposer.startedAt = self._clock().seconds()
         self.started += 1
         self._startReading()
         return self._disposer
@@ -380,6 +398,9 @@ class BackgroundCloser:
         if which.reader is not None:
             self._reactorOrNone().removeReader(which.reader)
             which.reader = None
+
+    def _clock(self) -> Any:
+        return self._reactorOrNone()
 
     def _reactorOrNone(self) -> Any:
         if self._reactor is None:
@@ -425,7 +446,14 @@ class BackgroundCloser:
         current = self._disposer
         if current is not None:
             self.progress(current)
-            if current.owed and current.closed == current.checked:
+            if not current.ready:
+                # A fresh interpreter on a loaded node (or under emulation)
+                # may take longer than STUCK_AFTER to start: it is judged by
+                # its progress only once it runs, and abandoned only if it
+                # never does.
+                if self._clock().seconds() - current.startedAt >= STARTUP_TIMEOUT:
+                    self._abandon(current, f"it did not start within {STARTUP_TIMEOUT:.0f}s")
+            elif current.owed and current.closed == current.checked:
                 if self.stuckDisposers < self.maxAbandoned:
                     self._abandon(
                         current,

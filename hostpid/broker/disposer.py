@@ -195,6 +195,8 @@ def main(fd: int, progressFd: int, parent: int) -> None:
         signal.signal(other, signal.SIG_IGN)
     channel = socket.socket(fileno=fd)
     progress = socket.socket(fileno=progressFd)
+    # Ready: the broker judges this process by its progress from now on.
+    report(progress)
     while True:
         try:
             # From the broker: its connections only (Unix sockets, which
