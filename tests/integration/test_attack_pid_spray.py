@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kernelfeatures import MODES, kernel_feature
+from kernelfeatures import MODES, has, kernel_feature
 from support import (
     REPO,
     WAIT_SECONDS,
@@ -226,10 +226,11 @@ def test_late_writers_are_answered_under_a_pid_spray(
     )
     print(f"\n{mode}, liveness {liveness}: {figures}")
     assert all(verdicts["wrong reply"] == 0 for verdicts in results.values()), figures
-    if liveness == "best":
+    if liveness == "best" and has("SO_PEERPIDFD"):
         assert all(verdicts["ok"] >= REQUIRED * CLIENTS for verdicts in results.values()), figures
         return
-    # Checked by start time, a caller is compared with the last moment the
+    # Checked by start time (forced, or the best a kernel before 6.5 has), a
+    # caller is compared with the last moment the
     # broker's backlog was known empty (never a wrong PID, however long a
     # connection waits).  Under a flood that moment lags, and a caller that
     # started after it, less than the PID space's cycle time before, is
