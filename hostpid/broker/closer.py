@@ -381,7 +381,7 @@ class BackgroundCloser:
         ours.setblocking(False)
         reports.setblocking(False)
         self._disposer = Disposer(process, ours, reports)
-        self._disposer.startedAt = self._clock().seconds()
+        self._disposer.startedAt = self._reactorOrNone().seconds()
         self.started += 1
         self._startReading()
         return self._disposer
@@ -398,9 +398,6 @@ class BackgroundCloser:
         if which.reader is not None:
             self._reactorOrNone().removeReader(which.reader)
             which.reader = None
-
-    def _clock(self) -> Any:
-        return self._reactorOrNone()
 
     def _reactorOrNone(self) -> Any:
         if self._reactor is None:
@@ -451,7 +448,7 @@ class BackgroundCloser:
                 # may take longer than STUCK_AFTER to start: it is judged by
                 # its progress only once it runs, and abandoned only if it
                 # never does.
-                if self._clock().seconds() - current.startedAt >= STARTUP_TIMEOUT:
+                if self._reactorOrNone().seconds() - current.startedAt >= STARTUP_TIMEOUT:
                     self._abandon(current, f"it did not start within {STARTUP_TIMEOUT:.0f}s")
             elif current.owed and current.closed == current.checked:
                 if self.stuckDisposers < self.maxAbandoned:

@@ -40,6 +40,7 @@ from typing import Any
 
 from twisted.internet import tcp, unix
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -219,8 +220,6 @@ class BrokerPort(unix.Port):
         backlog every L{FLOOR_REFRESH} (see L{emptyAt}); stops by itself once
         the check in force needs no start time (C{SO_PEERPIDFD}).
         """
-        from twisted.internet.task import LoopingCall
-
         if self.factory.identifier.acceptClock is None:
             return
         self.factory.markerSeen = self._markerSeen
