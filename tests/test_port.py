@@ -28,9 +28,21 @@ from hostpid.broker.port import (
     PAUSE_RESOURCES,
     BrokerPort,
 )
-from hostpid.broker.server import BrokerFactory
+from hostpid.broker.server import BrokerFactory, Outcome
 
 pytestmark = pytest.mark.kernel
+
+
+#: Scripted as an accept: a connection whose request has not arrived.
+IDLE = -1
+
+
+def closed(client: socket.socket) -> bool:
+    """Whether the broker has closed the other end of C{client} (never blocks)."""
+    try:
+        return client.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
 
 
 class ScriptedListener:
@@ -39,14 +51,18 @@ class ScriptedListener:
     def __init__(self) -> None:
         self.errors: list[int] = []
         self.clients: list[socket.socket] = []
+        #: At each accept of a connection, how many earlier ones were closed.
+        self.closedBeforeAccept: list[int] = []
 
     def _accept(self) -> tuple[int, str]:
         """What the broker calls: the C-level accept, returning a descriptor."""
         if self.errors:
             code = self.errors.pop(0)
-            if code == 0:  # a real connection, its request already waiting
+            if code in (0, IDLE):
                 server, client = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-                client.sendall(wire.GET_HOST_PID_REQUEST)
+                if code == 0:  # a real connection, its request already waiting
+                    client.sendall(wire.GET_HOST_PID_REQUEST)
+                self.closedBeforeAccept.append(sum(map(closed, self.clients)))
                 self.clients.append(client)
                 return server.detach(), ""
             raise OSError(code, os.strerror(code))
@@ -71,11 +87,12 @@ def listener() -> Iterator[ScriptedListener]:
 
 
 def make_port(
-    clock: MemoryReactorClock, listener: ScriptedListener, fatal: list[Failure]
+    clock: MemoryReactorClock, listener: ScriptedListener, fatal: list[Failure],
+    maxPerPeer: int | None = None,
 ) -> tuple[BrokerPort, list[dict]]:
     # The stand-in scripts the socket module's accept: the accept loop under
     # test is the same whatever a connection is (connections.py).
-    factory = BrokerFactory(clock, calls=SOCKETS)
+    factory = BrokerFactory(clock, calls=SOCKETS, maxPerPeer=maxPerPeer)
     port = BrokerPort("/nonexistent/broker.sock", -1, factory, clock, fatal.append)
     events: list[dict] = []
     port.log = Logger(observer=events.append)
@@ -162,6 +179,25 @@ def test_accepts_per_turn_adapt_to_what_is_waiting(clock, listener) -> None:
     assert len(listener.errors) == 1  # type: ignore[attr-defined]
     for client in listener.clients:  # type: ignore[attr-defined]
         assert client.recv(64) == wire.encode_ok(os.getpid())
+
+
+def test_connections_over_their_peers_share_are_closed_when_the_turn_ends(
+    clock, listener
+) -> None:
+    """
+    A connection turned away (its peer holds its share) is closed after the
+    turn's last accept, not at its own: each close lets a reconnecting
+    attacker take the backlog slot that accept just freed, ahead of a real
+    client that retries its connect every few ms.
+    """
+    port, _ = make_port(clock, listener, [], maxPerPeer=1)
+    port._acceptsPerTurn = 8
+    listener.errors = [IDLE] * 4  # type: ignore[attr-defined]
+    port.doRead()
+    assert listener.closedBeforeAccept == [0, 0, 0, 0], "none closed while the turn ran"
+    assert [closed(client) for client in listener.clients] == [False, True, True, True]
+    assert port.factory.counts[Outcome.OVER_LIMIT] == 3
+    assert port.room.overLimit == []
 
 
 def test_pending_resume_is_cancelled_when_the_port_closes(clock, listener, tmp_path) -> None:

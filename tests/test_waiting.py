@@ -461,14 +461,20 @@ def test_without_a_liveness_check_no_connector_is_known_gone(clock, listener) ->
 
 def test_one_peer_cannot_hold_more_than_its_share(clock) -> None:
     """
-    Beyond its share a peer's newcomer is closed at accept (C{over_limit}),
-    holding no slot, whether or not slots are free; other peers are admitted.
+    Beyond its share a peer's newcomer is closed when the accept turn ends
+    (C{over_limit}), holding no slot, whether or not slots are free; other
+    peers are admitted.
     """
     factory, room, tenants = make_room(clock, maxConnections=8, maxPerPeer=3)
     try:
         held = [tenants.waiting(peer=1) for _ in range(3)]
         shed, client = tenants.connect(peer=1)
-        assert shed is None and closed_unanswered(client)
+        assert shed is None and factory.active == 3
+        client.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            client.recv(1)  # still open while the turn runs: its slot is not refilled yet
+        room.closeOverLimit()
+        assert closed_unanswered(client) and room.overLimit == []
         assert factory.counts[Outcome.OVER_LIMIT] == 1
         assert factory.active == 3 and room.queues.count(1) == 3
         assert not any(c.finished for c, _ in held), "its own connections stay"

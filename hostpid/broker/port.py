@@ -372,6 +372,8 @@ class BrokerPort(unix.Port):
         try:
             self._acceptBatch(factory)
         finally:
+            if self.room.overLimit:
+                self.room.closeOverLimit()
             if factory.answeredAtAccept:
                 factory.observeAccepted(started)
 

@@ -35,8 +35,15 @@ L{WaitingRoom} admits them, by the rule of L{hostpid.broker.fairness}:
     holding the most, an attacker that spreads over many processes still
     loses its slots first until it runs one process per slot;
   - a peer already holding L{BrokerFactory.maxPerPeer} waiting connections
-    has its newcomer closed at accept (outcome C{over_limit}): as cheap as
-    the C yardstick's shedding, so one process cannot take every slot;
+    has its newcomer closed at the end of the accept turn (outcome
+    C{over_limit}, L{WaitingRoom.closeOverLimit}): as cheap as the C
+    yardstick's shedding, so one process cannot take every slot.  Not at
+    once: each close wakes a reconnecting attacker, whose next connect
+    takes the backlog slot that accept has just freed, so the backlog
+    stayed full and a real client retrying its non-blocking connect on
+    C{EAGAIN} every few ms could find no room for its whole deadline (1
+    to 6 clients of 400 under four reconnecting tenants).  Closed after
+    the turn, the turn's slots stay free while it runs;
   - when every slot is held, a newcomer whose connector has already exited
     is closed at once, and otherwise a waiting connection whose connector
     has exited gives up its slot (outcome C{connector_gone} for both): it
@@ -267,6 +274,8 @@ class WaitingRoom:
         self.reactor = reactor
         self._peerOf = peerOf
         self.queues: PeerQueues[WaitingConnection, int] = PeerQueues()
+        #: Connections turned away at admission, closed at the end of the turn.
+        self.overLimit: list[_socket.socket] = []
         self.rotation: Rotation[WaitingConnection] = Rotation()
         self.backoff = LookBackoff()
         self.deadlines: ArrivalDeadlines[WaitingConnection] = ArrivalDeadlines(
@@ -280,8 +289,9 @@ class WaitingRoom:
     def admit(self, sock: _socket.socket, prefix: bytes) -> WaitingConnection | None:
         """
         Hold C{sock}, just accepted with C{prefix} (fewer than 8 bytes, maybe
-        none) of its request read, until its request is complete; or close it
-        now if its peer holds its share already.
+        none) of its request read, until its request is complete; or, if its
+        peer holds its share already, close it when this accept turn ends
+        (L{closeOverLimit}).
 
         @return: the waiting connection, or C{None} if it was closed.
         """
@@ -290,11 +300,7 @@ class WaitingRoom:
         queues = self.queues
         if queues.count(peer) >= factory.maxPerPeer:
             # The common case under a flood: as cheap as it can be made.
-            if factory.passed is None:
-                sock.close()
-            else:
-                factory.passed.release(sock)
-            factory.record(_OVER_LIMIT)
+            self.overLimit.append(sock)
             return None
         # As the port accepts it: the accept time the liveness check without
         # SO_PEERPIDFD compares start times with.
@@ -322,6 +328,22 @@ class WaitingRoom:
         connection.started = self.deadlines.start(connection)
         self.reactor.addReader(connection)
         return connection
+
+    def closeOverLimit(self) -> None:
+        """
+        Close the connections L{admit} turned away this accept turn (see
+        the module docstring for why not at once).  The port calls this at
+        the end of every turn, however it ended.
+        """
+        over, self.overLimit = self.overLimit, []
+        factory = self.factory
+        passed = factory.passed
+        for sock in over:
+            if passed is None:
+                sock.close()
+            else:
+                passed.release(sock)
+            factory.record(_OVER_LIMIT)
 
     def _evictGone(self) -> bool:
         """
