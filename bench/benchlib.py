@@ -63,11 +63,12 @@ def default_report(kind: str, suffix: str = "") -> Path:
     return REPORTS / now.strftime("%Y-%m-%d") / f"{kind}-{now.strftime('%H%M%SZ')}{suffix}"
 
 
-def build_loadgen(out_dir: Path) -> Path:
+def build_loadgen(out_dir: Path, source: Path = LOADGEN_SOURCE) -> Path:
     """
-    Compile C{bench/loadgen.c} with the system compiler (C{$CC}, default
-    C{cc}).  C: a Python generator would cost more CPU per transaction than
-    the server it measures.
+    Compile C{source} (by default C{bench/loadgen.c}; another generator
+    with the same closed-loop options and JSON fields will do) with the
+    system compiler (C{$CC}, default C{cc}).  C: a Python generator would
+    cost more CPU per transaction than the server it measures.
     """
     compiler = os.environ.get("CC", "cc")
     if shutil.which(compiler) is None:
@@ -78,7 +79,7 @@ def build_loadgen(out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     binary = out_dir / "loadgen"
     subprocess.run(
-        [compiler, "-O2", "-Wall", "-o", str(binary), str(LOADGEN_SOURCE), "-lm"], check=True
+        [compiler, "-O2", "-Wall", "-o", str(binary), str(source), "-lm"], check=True
     )
     return binary
 
