@@ -5,7 +5,8 @@ imports another's private names.
 Layers, bottom up:
 
   - shared: C{wire}, C{gate}, C{peercred}, C{starttime}, C{defaults}, C{errors}, C{logs},
-    C{version}, C{values};
+    C{version}, C{values}, C{boundedhttp} (the HTTP bounds of the broker's
+    metrics server and of the webhook);
     they import no side (C{values} nothing of the project at all, and C{wire}
     nothing but C{values});
   - sides: C{broker}, C{client}, C{node}, C{admission}; each imports the
@@ -36,6 +37,7 @@ from support import REPO
 PACKAGE = REPO / "hostpid"
 SHARED = {
     "wire", "gate", "peercred", "starttime", "defaults", "errors", "logs", "version", "values",
+    "boundedhttp",
 }
 SIDES = {"broker", "client", "node", "admission"}
 TOP = {"", "cli", "testing", "tap", "allocation"}

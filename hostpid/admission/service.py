@@ -29,26 +29,25 @@ import base64
 import io
 import json
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Histogram,
-    generate_latest,
-)
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from twisted.internet.interfaces import IAddress
-from twisted.internet.protocol import connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web import http
 from twisted.web.resource import Resource
-from twisted.web.server import Request, Site
+from twisted.web.server import Request
 
 from hostpid.admission.decision import OUTCOMES, Config, Decision, decide
+from hostpid.boundedhttp import (
+    BoundedChannel,
+    BoundedSite,
+    PrometheusResource,
+    internal_error,
+    plain_text,
+)
 
 #: The largest AdmissionReview accepted, in bytes.  The API server limits a
 #: whole object to about 1.5 MiB in etcd, but a Pod spec is a few kilobytes;
@@ -154,14 +153,6 @@ def review(body: bytes, config: Config) -> tuple[dict[str, Any], str, str]:
     return _allowed(uid, decision), decision.outcome, who
 
 
-def _text(request: Request, code: int, body: str) -> bytes:
-    data = body.encode("utf-8") + b"\n"
-    request.setResponseCode(code)
-    request.setHeader(b"content-type", b"text/plain; charset=utf-8")
-    request.setHeader(b"content-length", b"%d" % (len(data),))
-    return data
-
-
 class MutateResource(Resource):
     """C{POST /mutate}."""
 
@@ -183,7 +174,7 @@ class MutateResource(Resource):
             answer, outcome, who = review(body, self.config)
         except _BadReview as e:
             self.metrics.refused.labels("bad_request").inc()
-            return _text(request, http.BAD_REQUEST, str(e))
+            return plain_text(request, http.BAD_REQUEST, str(e))
         data = json.dumps(answer, separators=(",", ":")).encode()
         self.metrics.reviews.labels(outcome).inc()
         self.metrics.latency.observe(self.clock() - started)
@@ -197,7 +188,7 @@ class MutateResource(Resource):
     def render_GET(self, request: Request) -> bytes:
         self.metrics.refused.labels("method").inc()
         request.setHeader(b"allow", b"POST")
-        return _text(request, http.NOT_ALLOWED, "POST an AdmissionReview here")
+        return plain_text(request, http.NOT_ALLOWED, "POST an AdmissionReview here")
 
 
 class _Text(Resource):
@@ -208,19 +199,7 @@ class _Text(Resource):
         self.text = text
 
     def render_GET(self, request: Request) -> bytes:
-        return _text(request, http.OK, self.text())
-
-
-class _Metrics(Resource):
-    isLeaf = True
-
-    def __init__(self, metrics: WebhookMetrics) -> None:
-        super().__init__()
-        self.metrics = metrics
-
-    def render_GET(self, request: Request) -> bytes:
-        request.setHeader(b"content-type", CONTENT_TYPE_LATEST.encode("ascii"))
-        return generate_latest(self.metrics.registry)
+        return plain_text(request, http.OK, self.text())
 
 
 def webhook_resource(config: Config, metrics: WebhookMetrics) -> Resource:
@@ -230,7 +209,7 @@ def webhook_resource(config: Config, metrics: WebhookMetrics) -> Resource:
     root.putChild(b"healthz", _Text(lambda: "ok"))
     gate = "on" if config.gate else "off (patching nothing but the broker annotation's removal)"
     root.putChild(b"readyz", _Text(lambda: f"ready: mode {config.mode}, gate {gate}"))
-    root.putChild(b"metrics", _Metrics(metrics))
+    root.putChild(b"metrics", PrometheusResource(metrics.registry))
     return root
 
 
@@ -255,7 +234,7 @@ class WebhookRequest(Request):
         if not isinstance(channel, WebhookChannel):
             return
         if self.content.tell() + len(data) > MAX_BODY:
-            channel.refuse(413, b"the body is larger than %d bytes" % (MAX_BODY,))
+            channel.refuse(413, channel.tooLargeText)
             return
         site = channel.site
         if site.buffered + len(data) > site.maxBuffered:
@@ -288,113 +267,58 @@ class WebhookRequest(Request):
     def processingFailed(self, reason: Failure) -> None:
         self.log.error("hostpid-webhook: request failed: {error}",
                        error=reason.getErrorMessage())
-        body = b"internal error\n"
-        self.setResponseCode(http.INTERNAL_SERVER_ERROR)
-        self.setHeader(b"content-type", b"text/plain; charset=utf-8")
-        self.setHeader(b"content-length", b"%d" % (len(body),))
-        self.write(body)
-        self.finish()
+        internal_error(self)
 
 
-_REASONS = {413: b"Content Too Large", 400: b"Bad Request", 503: b"Service Unavailable"}
-
-
-class WebhookChannel(http.HTTPChannel):
+class WebhookChannel(BoundedChannel):
     """
-    One connection, with the webhook's bounds (see the module docstring).
-    Kept alive between requests, as the API server wants.
+    One connection, with the webhook's bounds (L{BoundedChannel}; see the
+    module docstring).  Kept alive between requests, as the API server
+    wants; any method reaches the resources (C{/mutate} answers C{GET}
+    405 itself).
     """
 
     maxHeaders = 64
     totalHeadersSize = 16384
+    maxBody = MAX_BODY
+    tooLargeText = b"the body is larger than %d bytes" % (MAX_BODY,)
 
     site: WebhookSite
-    _refused = False
-
-    def connectionMade(self) -> None:
-        super().connectionMade()
-        self.site.hold(self)
-
-    def connectionLost(self, reason: Failure = connectionDone) -> None:
-        self.site.forget(self)
-        super().connectionLost(reason)
-
-    def resetTimeout(self) -> None:
-        """Data does not extend the request deadline: a slow sender cannot hold a slot."""
-
-    def timeoutConnection(self) -> None:
-        """Abort, counted, without Twisted's per-connection log line."""
-        self.site.metrics.refused.labels("timed_out").inc()
-        self.abort()
-
-    def abort(self) -> None:
-        self._refused = True
-        if self.transport is not None:
-            self.transport.abortConnection()  # type: ignore[attr-defined]
-
-    def dataReceived(self, data: bytes) -> None:
-        if not self._refused:
-            super().dataReceived(data)
-
-    def allHeadersReceived(self) -> None:
-        if self.length is not None and self.length > MAX_BODY:
-            self.refuse(413, b"the body is larger than %d bytes" % (MAX_BODY,))
-            return
-        super().allHeadersReceived()
-
-    def refuse(self, code: int, text: bytes) -> None:
-        """Answer C{code} and close; whatever else the client sends is dropped unread."""
-        if self._refused:
-            return
-        reason = {413: "too_large", 503: "busy"}.get(code, "bad_request")
-        self.site.metrics.refused.labels(reason).inc()
-        self._refused = True
-        self.length = None  # so lineReceived, which called us, dispatches nothing
-        body = text + b"\n"
-        head = (b"HTTP/1.1 %d %s\r\nContent-Type: text/plain; charset=utf-8\r\n"
-                b"Content-Length: %d\r\nConnection: close\r\n\r\n"
-                % (code, _REASONS[code], len(body)))
-        assert self.transport is not None
-        self.transport.write(head + body)
-        self.transport.loseConnection()
 
 
-class WebhookSite(Site):
-    """The webhook's factory: the bounded channel, at most L{MAX_CONNECTIONS}."""
+class WebhookSite(BoundedSite):
+    """
+    The webhook's factory: the bounded channel, at most L{MAX_CONNECTIONS}
+    (L{BoundedSite}), its refusals counted in L{WebhookMetrics}, and the
+    request body bytes held at once over every connection (L{buffered}).
+    """
 
-    protocol = WebhookChannel  # type: ignore[assignment]
+    protocol = WebhookChannel
     requestFactory = WebhookRequest
-    displayTracebacks = False
-    noisy = False
 
     def __init__(self, resource: Resource, metrics: WebhookMetrics,
                  timeout: float = REQUEST_TIMEOUT, maxConnections: int = MAX_CONNECTIONS,
                  maxBuffered: int = MAX_BUFFERED, reactor: Any = None) -> None:
-        super().__init__(resource, timeout=timeout, reactor=reactor)
+        super().__init__(resource, maxConnections, timeout, reactor=reactor)
         self.metrics = metrics
-        self.maxConnections = maxConnections
         self.maxBuffered = maxBuffered
         #: Request body bytes held now, over every connection.
         self.buffered = 0
-        self._held: OrderedDict[WebhookChannel, None] = OrderedDict()
 
     def buildProtocol(self, addr: IAddress) -> WebhookChannel:  # type: ignore[override]
         channel = super().buildProtocol(addr)
         assert isinstance(channel, WebhookChannel)
         return channel
 
-    def hold(self, channel: WebhookChannel) -> None:
-        while len(self._held) >= self.maxConnections:
-            oldest, _ = self._held.popitem(last=False)
-            self.metrics.refused.labels("evicted").inc()
-            oldest.abort()
-        self._held[channel] = None
+    def countEviction(self) -> None:
+        self.metrics.refused.labels("evicted").inc()
 
-    def forget(self, channel: WebhookChannel) -> None:
-        self._held.pop(channel, None)
+    def countTimeout(self) -> None:
+        self.metrics.refused.labels("timed_out").inc()
 
-    def log(self, request: http.Request) -> None:
-        """No access log: every pod creation would be a line."""
+    def countRefusal(self, code: int) -> None:
+        reason = {413: "too_large", 503: "busy"}.get(code, "bad_request")
+        self.metrics.refused.labels(reason).inc()
 
 
 def make_site(config: Config, timeout: float = REQUEST_TIMEOUT, reactor: Any = None,

@@ -11,9 +11,10 @@ Metrics and health over HTTP, for operators and probes.
     broker is ready (it has nothing to serve) and says so in the body.
 
 The server runs in the broker's process and reactor, so it must never take
-what the broker needs (see L{MetricsSite}): it holds at most
+what the broker needs (the bounds shared with the webhook are in
+L{hostpid.boundedhttp}): it holds at most
 L{defaults.METRICS_MAX_CONNECTIONS} connections, a newcomer at the cap
-evicting the oldest (L{MetricsServer}); each request must arrive whole within
+evicting the oldest (L{MetricsSite}); each request must arrive whole within
 L{defaults.METRICS_REQUEST_TIMEOUT}; only C{GET} and C{HEAD} are served, and
 a request that announces a body is answered 413 before Twisted would buffer
 that body (in memory, or in a temporary file on disk); no request makes it
@@ -22,28 +23,33 @@ log a traceback.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
 import attrs
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
     Metric,
 )
-from twisted.internet.interfaces import IAddress
 from twisted.internet.protocol import connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web import http
 from twisted.web.resource import Resource
-from twisted.web.server import Request, Site
+from twisted.web.server import Request
 
 import hostpid
 from hostpid import defaults
+from hostpid.boundedhttp import (
+    BoundedChannel,
+    BoundedSite,
+    PrometheusResource,
+    internal_error,
+    plain_text,
+)
 from hostpid.broker.descriptors import DescriptorMode
 from hostpid.broker.port import PAUSE_RESOURCES
 from hostpid.broker.server import LATENCY_BUCKETS, Outcome
@@ -216,31 +222,13 @@ class BrokerCollector:
         return CounterMetricFamily(name, documentation, value=value)
 
 
-class MetricsResource(Resource):
-    isLeaf = True
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        super().__init__()
-        self.registry = registry
-
-    def render_GET(self, request: Request) -> bytes:
-        request.setHeader(b"content-type", CONTENT_TYPE_LATEST.encode("ascii"))
-        return generate_latest(self.registry)
-
-
-def _text(request: Request, code: int, body: str) -> bytes:
-    request.setResponseCode(code)
-    request.setHeader(b"content-type", b"text/plain; charset=utf-8")
-    return (body + "\n").encode("utf-8")
-
-
 class HealthResource(Resource):
     """C{/healthz}: answering at all means the reactor is running."""
 
     isLeaf = True
 
     def render_GET(self, request: Request) -> bytes:
-        return _text(request, 200, "ok")
+        return plain_text(request, 200, "ok")
 
 
 class ReadyResource(Resource):
@@ -255,15 +243,17 @@ class ReadyResource(Resource):
     def render_GET(self, request: Request) -> bytes:
         broker = self.broker
         if not broker.enabled:
-            return _text(
+            return plain_text(
                 request, 200,
                 "ready: broker disabled (LIBVGPU_HOSTPID_BROKER is not exactly 1); "
                 "workloads use their existing discovery path",
             )
         if broker.ready():
-            return _text(request, 200, f"ready: listening on {broker.socketPath}")
+            return plain_text(request, 200, f"ready: listening on {broker.socketPath}")
         problem = broker.servingProblem() if broker.listening else None
-        return _text(request, 503, f"not ready: {broker.socketPath}: {problem or 'not listening'}")
+        return plain_text(
+            request, 503, f"not ready: {broker.socketPath}: {problem or 'not listening'}"
+        )
 
 
 @attrs.define
@@ -292,44 +282,36 @@ class MetricsServerCounts:
 #: Methods the server answers; any other is refused with 405.
 ALLOWED_METHODS = (b"GET", b"HEAD")
 
-_REASONS = {405: b"Method Not Allowed", 413: b"Content Too Large"}
-
 
 def _rateLimited(count: int) -> bool:
     """Log the 1st, 2nd, 4th, 8th... occurrence only: any client behaviour, a bounded log."""
     return count & (count - 1) == 0
 
 
-class MetricsChannel(http.HTTPChannel):
+class MetricsChannel(BoundedChannel):
     """
-    One metrics connection: Twisted's HTTP/1.1 parser with the broker's limits.
+    One metrics connection: the shared bounds (L{BoundedChannel}: the
+    request deadline of L{defaults.METRICS_REQUEST_TIMEOUT}, refusals before
+    buffering) with the broker's policy.
 
       - One request per connection: every response says C{Connection:
         close} and the connection ends with it, so no client can hold a slot
         with keep-alive requests (16 keep-alive clients polling every 5 s
         held the server for as long as they liked, and a liveness probe
         failing three times restarts the broker).
-
-      - The request deadline: C{TimeoutMixin}'s timer is armed at connect and
-        again after each response (Twisted does both), but received data does
-        not push it back (L{resetTimeout} does nothing), so a client trickling
-        one header byte at a time cannot hold its slot longer than
-        L{defaults.METRICS_REQUEST_TIMEOUT}.  When it fires the connection is
-        aborted, silently.
-      - Refusals before buffering: Twisted creates a request's content buffer
-        in C{allHeadersReceived} (C{Request.gotLength}: memory below 100 kB, a
-        temporary file above, which fails with a traceback on a read-only
-        root).  L{allHeadersReceived} decides first: a request that announces
-        a body (any C{Content-Length} but 0, or C{Transfer-Encoding}) gets
-        413, any method but C{GET}/C{HEAD} gets 405, the connection is
-        closed, and whatever else the client sends is dropped unread.
+      - No body at all: a request that announces one (any C{Content-Length}
+        but 0, or C{Transfer-Encoding}) gets 413; any method but
+        C{GET}/C{HEAD} gets 405.
     """
 
     maxHeaders = 32
     totalHeadersSize = 8192
+    allowedMethods = ALLOWED_METHODS
+    maxBody = 0
+    tooLargeText = b"a request body is not accepted"
+    methodText = b"only GET and HEAD are served"
 
     site: MetricsSite
-    _refused = False
 
     def connectionMade(self) -> None:
         self.site.counts.open += 1
@@ -337,64 +319,12 @@ class MetricsChannel(http.HTTPChannel):
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         self.site.counts.open -= 1
-        self.site.forget(self)
         super().connectionLost(reason)
-
-    def evict(self) -> None:
-        """Close at once, unanswered: a newer connection needs the slot."""
-        self._refused = True
-        if self.transport is not None:
-            self.transport.abortConnection()  # type: ignore[attr-defined]
 
     def checkPersistence(self, request: http.Request, version: bytes) -> bool:
         """Never persistent: C{Connection: close} on every response (see the class docstring)."""
         request.responseHeaders.setRawHeaders(b"Connection", [b"close"])
         return False
-
-    def resetTimeout(self) -> None:
-        """Data does not extend the request deadline (see the class docstring)."""
-
-    def timeoutConnection(self) -> None:
-        """Abort without Twisted's per-connection "Timing out client" log line."""
-        self.site.counts.timedOut += 1
-        if self.transport is not None:
-            self.transport.abortConnection()  # type: ignore[attr-defined]
-
-    def dataReceived(self, data: bytes) -> None:
-        if not self._refused:
-            super().dataReceived(data)
-
-    def allHeadersReceived(self) -> None:
-        counts = self.site.counts
-        if self.length != 0:  # a Content-Length above 0, or None for chunked
-            counts.body += 1
-            self._refuse(413, b"a request body is not accepted")
-        elif self._command not in ALLOWED_METHODS:
-            counts.method += 1
-            self._refuse(405, b"only GET and HEAD are served")
-        else:
-            super().allHeadersReceived()
-
-    def _refuse(self, code: int, text: bytes) -> None:
-        """
-        Answer C{code} and close.  C{length} is set non-zero so that Twisted's
-        C{lineReceived}, which called us, switches to raw mode instead of
-        dispatching the request, and C{_refused} drops anything after.
-        """
-        self._refused = True
-        self.length = None
-        body = text + b"\n"
-        headers = [
-            b"HTTP/1.1 %d %s" % (code, _REASONS[code]),
-            b"Content-Type: text/plain; charset=utf-8",
-            b"Content-Length: %d" % (len(body),),
-            b"Connection: close",
-        ]
-        if code == 405:
-            headers.append(b"Allow: " + b", ".join(ALLOWED_METHODS))
-        assert self.transport is not None
-        self.transport.write(b"\r\n".join(headers) + b"\r\n\r\n" + body)
-        self.loseConnection()
 
 
 class MetricsRequest(Request):
@@ -412,33 +342,20 @@ class MetricsRequest(Request):
                 error=reason.getErrorMessage(),
                 count=counts.failed,
             )
-        body = b"internal error\n"
-        self.setResponseCode(http.INTERNAL_SERVER_ERROR)
-        self.setHeader(b"content-type", b"text/plain; charset=utf-8")
-        self.setHeader(b"content-length", b"%d" % (len(body),))
-        self.write(body)
-        self.finish()
+        internal_error(self)
         return reason
 
 
-class MetricsSite(Site):
+class MetricsSite(BoundedSite):
     """
-    The metrics server's factory: at most C{maxConnections} connections.
-
-    At the cap a newcomer takes the slot of the oldest connection, which is
-    aborted unanswered (the broker's own rule for its transactions): an
-    attacker holding every slot with idle or slow connections cannot keep a
-    probe out, only a client reconnecting C{maxConnections} times per probe
-    round trip can.  The evicted descriptor closes on the next reactor turn,
-    so at most one accept batch more than the cap is ever open.  Clients
-    still in the kernel's accept queue hold no descriptor of the broker's.
-    No access log: probes every few seconds would drown the broker's log.
+    The metrics server's factory: at most C{maxConnections} connections, a
+    newcomer at the cap evicting the oldest (L{BoundedSite}; the broker's
+    own rule for its transactions), counted in L{MetricsServerCounts} and
+    logged at a bounded rate.
     """
 
-    protocol = MetricsChannel  # type: ignore[assignment]
+    protocol = MetricsChannel
     requestFactory = MetricsRequest
-    displayTracebacks = False
-    noisy = False
     logger = Logger()
 
     def __init__(
@@ -449,38 +366,30 @@ class MetricsSite(Site):
         timeout: float = defaults.METRICS_REQUEST_TIMEOUT,
         reactor: Any = None,
     ) -> None:
-        super().__init__(resource, timeout=timeout, reactor=reactor)
+        super().__init__(resource, maxConnections, timeout, reactor=reactor)
         self.counts = counts if counts is not None else MetricsServerCounts()
-        self.maxConnections = maxConnections
-        #: Connections holding a slot, oldest first.
-        self._slots: OrderedDict[MetricsChannel, None] = OrderedDict()
 
-    def buildProtocol(self, addr: IAddress) -> MetricsChannel | None:  # type: ignore[override]
+    def countOverLimit(self) -> None:
+        self.counts.overLimit += 1
+
+    def countEviction(self) -> None:
         counts = self.counts
-        if len(self._slots) >= self.maxConnections:
-            if not self._slots:
-                counts.overLimit += 1
-                return None
-            oldest, _ = self._slots.popitem(last=False)
-            oldest.evict()
-            counts.evicted += 1
-            if _rateLimited(counts.evicted):
-                self.logger.warn(
-                    "hostpid-broker: metrics server at its limit of {limit} connections; "
-                    "closed the oldest for a new one (so far: {count})",
-                    limit=self.maxConnections, count=counts.evicted,
-                )
-        channel = super().buildProtocol(addr)
-        if channel is not None:
-            self._slots[channel] = None
-        return channel
+        counts.evicted += 1
+        if _rateLimited(counts.evicted):
+            self.logger.warn(
+                "hostpid-broker: metrics server at its limit of {limit} connections; "
+                "closed the oldest for a new one (so far: {count})",
+                limit=self.maxConnections, count=counts.evicted,
+            )
 
-    def forget(self, channel: MetricsChannel) -> None:
-        """C{channel} is closed: its slot is free."""
-        self._slots.pop(channel, None)
+    def countTimeout(self) -> None:
+        self.counts.timedOut += 1
 
-    def log(self, request: http.Request) -> None:
-        pass
+    def countRefusal(self, code: int) -> None:
+        if code == 413:
+            self.counts.body += 1
+        elif code == 405:
+            self.counts.method += 1
 
 
 def metrics_site(broker: BrokerService, reactor: Any = None) -> MetricsSite:
@@ -489,7 +398,7 @@ def metrics_site(broker: BrokerService, reactor: Any = None) -> MetricsSite:
     registry = CollectorRegistry(auto_describe=True)
     registry.register(BrokerCollector(broker, counts))
     root = Resource()
-    root.putChild(b"metrics", MetricsResource(registry))
+    root.putChild(b"metrics", PrometheusResource(registry))
     root.putChild(b"healthz", HealthResource())
     root.putChild(b"readyz", ReadyResource(broker))
     return MetricsSite(root, counts, reactor=reactor)

@@ -344,6 +344,25 @@ def test_an_oversized_body_is_refused_by_its_length_unread(webhooks: dict[str, W
     still_answered(webhook)
 
 
+def test_a_refused_request_is_closed_with_its_answer(webhooks: dict[str, Webhook]) -> None:
+    """
+    A 413 says C{Connection: close}, and over TLS the server closes right
+    after it: a refusal that left the channel registered as the TLS
+    transport's producer kept the connection (and its slot) until the client
+    left or the request deadline fired.
+    """
+    webhook = webhooks["cdi"]
+    head = (b"POST /mutate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % (MAX_BODY + 1))
+    with webhook.tls_socket() as sock:
+        sock.sendall(head)
+        sock.settimeout(WAIT_SECONDS)
+        assert sock.recv(4096).startswith(b"HTTP/1.1 413 ")
+        waited = closed_within(sock, REQUEST_TIMEOUT * 0.9)
+    assert waited < REQUEST_TIMEOUT * 0.9, waited
+    still_answered(webhook)
+
+
 def test_an_oversized_chunked_body_is_cut_at_the_cap(webhooks: dict[str, Webhook]) -> None:
     webhook = webhooks["cdi"]
     with webhook.tls_socket() as sock:
