@@ -35,7 +35,8 @@ from support import REPO
 
 PACKAGE = REPO / "hostpid"
 SHARED = {
-    "wire", "gate", "peercred", "starttime", "defaults", "errors", "logs", "version", "values",
+    "wire", "gate", "peercred", "ucred", "starttime", "defaults", "errors", "logs", "version",
+    "values",
 }
 SIDES = {"broker", "client", "node", "admission"}
 TOP = {"", "cli", "testing", "tap", "allocation"}
