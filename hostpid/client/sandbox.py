@@ -39,14 +39,6 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-try:
-    # One C call where the helper is built (native/_hostpid_native.c):
-    # ctypes, the other way to reach fstatfs, costs an exec probe (a fresh
-    # interpreter every few seconds on every node) about 3 ms to import.
-    from _hostpid_native import fstatfs_type as _native_fstatfs_type
-except ImportError:
-    _native_fstatfs_type = None  # type: ignore[assignment]
-
 #: What gVisor's sentry reports as C{uname().version}, in every release.
 GVISOR_KERNEL_VERSION = "#1 SMP Sun Jan 10 15:06:54 PST 2016"
 #: The suffix of gVisor's C{uname().release} from 2026 (C{4.19.0-gvisor}).
@@ -110,8 +102,14 @@ def ctypes_fstatfs_type(fd: int) -> int:
 
 
 #: C{f_type} of the filesystem a descriptor is on (Python's C{statvfs} has
-#: no such field): in C where the helper is built, else through C{ctypes}.
-fstatfs_type: Callable[[int], int] = _native_fstatfs_type or ctypes_fstatfs_type
+#: no such field): one C call where the helper is built
+#: (native/_hostpid_native.c), else through C{ctypes}, whose import costs an
+#: exec probe (a fresh interpreter every few seconds on every node) about 3 ms.
+fstatfs_type: Callable[[int], int]
+try:
+    from _hostpid_native import fstatfs_type
+except ImportError:
+    fstatfs_type = ctypes_fstatfs_type
 
 
 def _fstatfs_type(fd: int) -> int | None:
