@@ -19,8 +19,6 @@ installs a Twisted reactor.
 
 from __future__ import annotations
 
-import importlib
-
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs an exec probe 10 ms
 
 __version__ = "0.1.0"
@@ -68,6 +66,8 @@ def __getattr__(name: str) -> object:
     home = _HOMES.get(name)
     if home is None:
         raise AttributeError(f"module 'hostpid' has no attribute {name!r}")
+    import importlib  # here, not above: it loads warnings, which an exec probe need not pay for
+
     value = getattr(importlib.import_module(home), name)
     globals()[name] = value
     return value

@@ -11,7 +11,10 @@ is how a node ends up half-enabled.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+
+TYPE_CHECKING = False  # not typing's: an exec probe loads this module
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 GATE_ENV = "LIBVGPU_HOSTPID_BROKER"
 ENABLED_VALUE = "1"

@@ -32,11 +32,15 @@ import errno
 import fcntl
 import os
 import signal
-import socket
 import struct
 from collections.abc import Callable
 
-from hostpid.values import Value
+# A client reads SO_PEERCRED alone, from the module that keeps it
+# (hostpid.ucred, which an exec probe loads without this one); the
+# broker's side is here.
+from hostpid.ucred import SO_PEERCRED, SOL_SOCKET
+from hostpid.ucred import PeerCredentials as PeerCredentials
+from hostpid.ucred import peer_credentials as peer_credentials
 
 try:
     # A descriptor or a socket object alike: the broker's fast path holds
@@ -52,10 +56,6 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from twisted.logger import Logger
 
-_UCRED = struct.Struct("3i")
-_SOL_SOCKET = int(socket.SOL_SOCKET)
-_SO_PEERCRED = int(socket.SO_PEERCRED)
-
 #: C{SO_PEERPIDFD} from C{asm-generic/socket.h}; Python 3.11 has no constant.
 SO_PEERPIDFD = 77
 #: C{_IOWR(PIDFS_IOCTL_MAGIC, 11, struct pidfd_info)} with the 64-byte version 0.
@@ -63,30 +63,6 @@ PIDFD_GET_INFO = 0xC040FF0B
 PIDFD_INFO_PID = 1
 _PIDFD_INFO = struct.Struct("QQI")
 _PIDFD_INFO_SIZE = 64
-
-
-class PeerCredentials(Value):
-    """C{struct ucred}: the peer's PID, UID and GID."""
-
-    __slots__ = ("pid", "uid", "gid")
-    pid: int
-    uid: int
-    gid: int
-
-    def __init__(self, pid: int, uid: int, gid: int) -> None:
-        self._set(pid=pid, uid=uid, gid=gid)
-
-
-def peer_credentials(sock: socket.socket) -> PeerCredentials:
-    """
-    The credentials of C{sock}'s peer.
-
-    A PID of 0 means the peer is not visible in this process's PID namespace;
-    callers must treat C{pid <= 0} as a failure, never as an answer.
-
-    @raise OSError: the kernel refused (for example the socket is closed).
-    """
-    return PeerCredentials(*_UCRED.unpack(sock.getsockopt(_SOL_SOCKET, _SO_PEERCRED, _UCRED.size)))
 
 
 #: A connected Unix socket: a socket object, or (where the C helper is
@@ -101,7 +77,7 @@ def peer_pidfd(sock: Socket) -> int:
     @raise OSError: C{ENOPROTOOPT} on kernels before 6.5, or another error.
     """
     # The option as a C int.
-    return _getsockopt(sock, _SOL_SOCKET, SO_PEERPIDFD)
+    return _getsockopt(sock, SOL_SOCKET, SO_PEERPIDFD)
 
 
 _pidfd_send_signal = signal.pidfd_send_signal
@@ -235,8 +211,8 @@ PIDFD_OPEN_GONE = frozenset({errno.ESRCH, errno.EINVAL, errno.ENOENT})
 
 class _LazyLogger:
     """
-    A class's C{twisted.logger.Logger}, made on first use: a client (an exec
-    probe) reads C{SO_PEERCRED} from this module without loading Twisted.
+    A class's C{twisted.logger.Logger}, made on first use: importing this
+    module (the broker's fast path, a test) loads no Twisted.
     """
 
     def __get__(self, instance: object, owner: type) -> Logger:
@@ -364,7 +340,7 @@ class PeerIdentifier:
             # The PID alone, as a C int: the kernel copies as much of
             # C{struct ucred} as the buffer holds, and the PID comes first.
             # No bytes object and no unpacking on the hot path.
-            pid = _getsockopt(sock, _SOL_SOCKET, _SO_PEERCRED)
+            pid = _getsockopt(sock, SOL_SOCKET, SO_PEERCRED)
         except OSError as e:
             raise PeerCredentialsFailed(e.strerror) from None
         if pid <= 0:
@@ -376,7 +352,7 @@ class PeerIdentifier:
                 # peer_pidfd inline when it is the one in use: one call less
                 # per transaction.
                 pidfd = (
-                    _getsockopt(sock, _SOL_SOCKET, SO_PEERPIDFD)
+                    _getsockopt(sock, SOL_SOCKET, SO_PEERPIDFD)
                     if peerPidfd is peer_pidfd
                     else peerPidfd(sock)
                 )

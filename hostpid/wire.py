@@ -10,12 +10,17 @@ integer is unsigned and in network byte order::
 The format is fixed and byte-compatible with HAMi-core's C client, so this
 module is deliberately tiny and pure: the server, the clients and the tests all
 share it, and none of them has to know how the bytes are laid out.  It imports
-nothing from Twisted and nothing else of the project.
+nothing from Twisted and nothing else of the project but L{hostpid.values}.
+
+Its named numbers are plain class attributes, not C{enum} members: an exec
+probe (C{hostpid probe}, a fresh interpreter every few seconds on every
+node) reads a reply with this module, and importing C{enum} would be CPU it
+pays on every run.  The numbers are what travels; nothing here needs an
+enum's type.
 """
 
 from __future__ import annotations
 
-import enum
 import struct
 
 from hostpid.values import Value
@@ -33,21 +38,21 @@ _REQUEST = struct.Struct("!4sHH")
 _RESPONSE = struct.Struct("!4sHHI")
 
 
-class Command(enum.IntEnum):
-    """What a request asks for.  Version 1 knows one command."""
+class Command:
+    """What a request asks for (a C{u16}).  Version 1 knows one command."""
 
     GET_HOST_PID = 1
 
 
-class Status(enum.IntEnum):
-    """The outcome a response reports."""
+class Status:
+    """The outcome a response reports (a C{u16})."""
 
     OK = 0
     INVALID_REQUEST = 1
 
 
-class RequestProblem(enum.Enum):
-    """Why eight bytes are not a valid version 1 request."""
+class RequestProblem:
+    """Why eight bytes are not a valid version 1 request: one of these words."""
 
     BAD_MAGIC = "bad magic"
     BAD_VERSION = "bad version"
@@ -70,9 +75,10 @@ class Request(Value):
     def encode(self) -> bytes:
         return _REQUEST.pack(self.magic, self.version, self.command)
 
-    def problem(self) -> RequestProblem | None:
+    def problem(self) -> str | None:
         """
-        Say what makes this request invalid, or C{None} for a valid one.
+        Say what makes this request invalid (a L{RequestProblem}), or
+        C{None} for a valid one.
         Checked in the order the C client checks a reply: magic, version,
         then the command.
         """

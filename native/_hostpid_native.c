@@ -15,7 +15,10 @@
  *   - read and release, mode "received"'s calls (kernels without
  *     SO_PASSRIGHTS, before Linux 6.16), four more per connection than mode
  *     "refused": SO_OOBINLINE, recvmsg with room for passed descriptors,
- *     shutdown(SHUT_RD) and a closing peek.
+ *     shutdown(SHUT_RD) and a closing peek;
+ *   - fstatfs_type, for the client's sandbox check: the one statfs field
+ *     os.fstatvfs does not give, read here so that an exec probe (a fresh
+ *     interpreter every few seconds on every node) need not import ctypes.
  *
  * It decides nothing.  Who the peer is (hostpid/peercred.py), what to
  * reply (hostpid/broker/server.py), what to do with a descriptor that
@@ -36,6 +39,7 @@
 #include <errno.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 /* The kernel's SCM_MAX_FD: descriptors one SCM_RIGHTS message can carry. */
@@ -362,6 +366,28 @@ native_getsockopt(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLong(value);
 }
 
+PyDoc_STRVAR(fstatfs_type_doc,
+"fstatfs_type(fd) -> int\n"
+"\n"
+"fstatfs(2)'s f_type for the filesystem fd (any descriptor, O_PATH too)\n"
+"is on, as an unsigned 32-bit number, the width of the kernel's magic\n"
+"numbers (include/uapi/linux/magic.h).  Raises OSError as fstatfs fails.");
+
+static PyObject *
+native_fstatfs_type(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    int fd;
+    struct statfs info;
+
+    if (check_args(nargs, 1, "fstatfs_type() takes fd") < 0 || as_fd(args[0], &fd) < 0) {
+        return NULL;
+    }
+    if (fstatfs(fd, &info) < 0) {
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyLong_FromUnsignedLong((unsigned long)info.f_type & 0xFFFFFFFFUL);
+}
+
 PyDoc_STRVAR(read_doc,
 "read(sock, size, oobinline, room) -> bytes | tuple[int, ...]\n"
 "\n"
@@ -509,6 +535,8 @@ static PyMethodDef native_methods[] = {
     {"close", (PyCFunction)(void (*)(void))native_close, METH_FASTCALL, close_doc},
     {"getsockopt", (PyCFunction)(void (*)(void))native_getsockopt, METH_FASTCALL, getsockopt_doc},
     {"read", (PyCFunction)(void (*)(void))native_read, METH_FASTCALL, read_doc},
+    {"fstatfs_type", (PyCFunction)(void (*)(void))native_fstatfs_type, METH_FASTCALL,
+     fstatfs_type_doc},
     {"release", (PyCFunction)(void (*)(void))native_release, METH_FASTCALL, release_doc},
     {NULL, NULL, 0, NULL},
 };
@@ -535,7 +563,8 @@ static PyModuleDef_Slot native_slots[] = {
 static struct PyModuleDef native_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "_hostpid_native",
-    .m_doc = "The broker's fast-path system calls (see hostpid.broker.connections).",
+    .m_doc = "The broker's fast-path system calls (see hostpid.broker.connections), "
+             "and fstatfs for the client's sandbox check.",
     .m_size = 0,
     .m_methods = native_methods,
     .m_slots = native_slots,

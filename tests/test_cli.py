@@ -11,6 +11,7 @@ test knows in advance of nothing (C{Popen.pid}).
 from __future__ import annotations
 
 import argparse
+import errno
 import io
 import os
 import re
@@ -37,6 +38,30 @@ import hostpid
 from hostpid import cli, defaults
 
 ENABLED = {"LIBVGPU_HOSTPID_BROKER": "1"}
+
+#: What C{hostpid probe} must not import beyond what the interpreter has
+#: loaded before the command runs: each costs the exec probe CPU on every
+#: run.  attrs (typing, inspect), Twisted, zope, argparse,
+#: importlib.metadata; the standard library's socket (enum, selectors,
+#: collections, array: the probe uses the C module _socket), ctypes (the
+#: sandbox check's fstatfs is the C helper's), and re (pip's console-script
+#: wrapper imported it; the command is a plain script).
+PROBE_NEVER_LOADS = (
+    "attr", "attrs", "twisted", "zope", "argparse", "typing", "inspect", "prometheus_client",
+    "importlib.metadata", "socket", "enum", "ctypes", "selectors", "collections", "re",
+)
+
+
+#: C{PROC_SUPER_MAGIC} (include/uapi/linux/magic.h): procfs's C{f_type}.
+PROC_SUPER_MAGIC = 0x9FA0
+
+
+def heavy_modules(loaded: set[str], before: frozenset[str] | set[str] = frozenset()) -> list[str]:
+    """The modules of L{PROBE_NEVER_LOADS} (or in their packages) loaded, less C{before}."""
+    return sorted(
+        name for name in loaded - before
+        if name in PROBE_NEVER_LOADS or name.split(".")[0] in PROBE_NEVER_LOADS
+    )
 
 
 def run_cli(*argv: str) -> tuple[int, str, str]:
@@ -451,24 +476,53 @@ class TestProbeIsCheap:
     keeps the heavy modules out, whatever the timing on a given machine).
     """
 
-    HEAVY = ("attr", "attrs", "twisted", "zope", "argparse", "typing", "inspect",
-             "prometheus_client", "importlib.metadata")
+    #: Run in a fresh interpreter: the modules the probe loads beyond those
+    #: loaded before it (the interpreter's start, site-packages' .pth files).
+    LOADS = (
+        "import sys\nbefore = set(sys.modules)\n{prelude}from hostpid.cli import main\n"
+        "status = main(['probe', '--socket', sys.argv[1], '--timeout', '3'])\n"
+        "print(status, *sorted(set(sys.modules) - before), file=sys.stderr)\n"
+    )
+
+    def probe_loads(self, socket_path: Path, prelude: str = "") -> tuple[int, list[str]]:
+        done = subprocess.run(
+            [sys.executable, "-c", self.LOADS.format(prelude=prelude), str(socket_path)],
+            capture_output=True, text=True, timeout=60, env=subprocess_env(), check=False,
+        )
+        status, *loaded = done.stderr.strip().splitlines()[-1].split()
+        assert ": ok: answered PID " in done.stdout, done.stderr
+        return int(status), heavy_modules(set(loaded))
 
     def test_a_healthy_probe_loads_no_heavy_module(self, root_directory: Path) -> None:
-        code = (
-            "import sys\nfrom hostpid.cli import main\n"
-            "status = main(['probe', '--socket', sys.argv[1], '--timeout', '3'])\n"
-            f"heavy = sorted(m for m in sys.modules if m.split('.')[0] in {self.HEAVY!r} "
-            f"or m in {self.HEAVY!r})\n"
-            "print(status, heavy, file=sys.stderr)\n"
-        )
         with running_broker(root_directory) as broker:
-            done = subprocess.run(
-                [sys.executable, "-c", code, str(broker.socket_path)], capture_output=True,
-                text=True, timeout=60, env=subprocess_env(), check=False,
-            )
-        assert done.stderr.strip().splitlines()[-1] == "0 []", done.stderr
-        assert ": ok: answered PID " in done.stdout
+            status, heavy = self.probe_loads(broker.socket_path)
+            # The control: the same check sees what a heavier start loads.
+            _, control = self.probe_loads(broker.socket_path, "import re, socket\n")
+        assert (status, heavy) == (0, [])
+        assert {"re", "socket", "enum", "selectors"} <= set(control)
+
+    def test_the_sandbox_check_reads_fstatfs_without_ctypes_where_the_helper_is_built(
+        self,
+    ) -> None:
+        """
+        The C helper's C{fstatfs_type} and the C{ctypes} fallback agree (on
+        procfs, whose magic number is fixed), and the helper's is the one
+        used where it is built: the probe then never imports C{ctypes}.
+        """
+        from hostpid.client import sandbox
+
+        fd = os.open("/proc", os.O_PATH | os.O_CLOEXEC)
+        try:
+            assert sandbox.ctypes_fstatfs_type(fd) == PROC_SUPER_MAGIC
+            assert sandbox.fstatfs_type(fd) == PROC_SUPER_MAGIC
+        finally:
+            os.close(fd)
+        for read in (sandbox.ctypes_fstatfs_type, sandbox.fstatfs_type):
+            with pytest.raises(OSError) as raised:
+                read(fd)  # closed now
+            assert raised.value.errno == errno.EBADF
+        native = pytest.importorskip("_hostpid_native", reason="the C helper is not built")
+        assert sandbox.fstatfs_type is native.fstatfs_type
 
     @pytest.mark.parametrize(
         "argv",

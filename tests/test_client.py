@@ -495,7 +495,9 @@ class TestTransportRules:
 
         def recording() -> socket.socket:
             sock = original()
-            made.append((sock, sock.getblocking(), sock.get_inheritable()))
+            # A _socket.socket (the probe's path loads no socket module):
+            # the close-on-exec flag is asked of the kernel, by descriptor.
+            made.append((sock, sock.getblocking(), os.get_inheritable(sock.fileno())))
             return sock
 
         monkeypatch.setattr(transaction, "new_socket", recording)

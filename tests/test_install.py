@@ -20,6 +20,10 @@ systemd"), performed as written in a fresh root, and the unit as installed.
   C{hidepid=invisible} only group 0's exemption lets a root without
   capabilities see them, so the unit keeps group 0 (a control run without
   the exemption is refused).
+- The C{hostpid} command: a plain script on the environment's C{PATH} whose
+  C{#!} names the environment's interpreter; C{hostpid probe} run as the
+  kubelet runs it loads no C{re} (pip's console-script wrapper did) nor any
+  other module the exec probe must not pay for.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from support import (
     twistd_argv,
     wait_for,
 )
+from test_cli import heavy_modules
 from test_deploy import UNIT, restricted_prefix, unit_value, unit_values
 from test_doc_examples import parse
 
@@ -297,3 +302,62 @@ def broker_process(argv: Sequence[str], env: dict[str, str], log: Path) -> Itera
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+# --- The hostpid command as installed: a plain script, as cheap as the probe ----------------
+
+
+def imported_by(argv: Sequence[str], env: dict[str, str], cwd: Path) -> tuple[
+    subprocess.CompletedProcess[str], set[str]
+]:
+    """C{argv} run with C{PYTHONPROFILEIMPORTTIME}: its result and every module it imported."""
+    done = subprocess.run(argv, env={**env, "PYTHONPROFILEIMPORTTIME": "1"}, cwd=cwd,
+                          capture_output=True, text=True, timeout=60)
+    modules = {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines()
+               if line.startswith("import time:") and not line.endswith("imported package")}
+    return done, modules
+
+
+def test_the_installed_command_probes_without_loading_re(
+    installed: Installed, tmp_path: Path
+) -> None:
+    """
+    C{hostpid}, as C{pip install} puts it on the environment's C{PATH},
+    runs C{hostpid probe} as the kubelet's exec probe does (the command
+    itself, a fresh interpreter) and loads none of the modules
+    C{test_cli.PROBE_NEVER_LOADS} names beyond what the bare interpreter
+    loads: no C{re} from a console-script wrapper.  The control runs the
+    same probe behind a wrapper like pip's (C{import re, sys}), which the
+    same check sees.
+    """
+    bin_directory = installed.prefix / "venv" / "bin"
+    command = bin_directory / "hostpid"
+    shebang = command.read_text().splitlines()[0]
+    assert shebang.startswith("#!") and Path(shebang[2:]).parent == bin_directory, \
+        f"the script's #!python is the environment's interpreter: {shebang}"
+    env = {"PATH": f"{bin_directory}:{CLEAN_PATH}"}
+    assert shutil.which("hostpid", path=env["PATH"]) == str(command)
+    version = subprocess.run(["hostpid", "--version"], env=env, cwd=installed.root,
+                             capture_output=True, text=True, timeout=60)
+    assert version.returncode == 0 and version.stdout.strip() == "hostpid 0.1.0", version
+    directory = tmp_path / "broker"
+    socket_path = directory / "broker.sock"
+    argv = [*installed.exec_start[:4], "--directory", str(directory)]
+    with broker_process(argv, {"PATH": CLEAN_PATH, "LIBVGPU_HOSTPID_BROKER": "1"},
+                        tmp_path / "broker.log") as log:
+        wait_for(lambda: "listening on" in log.read_text(), "the broker to listen")
+        probe = ["probe", "--socket", str(socket_path), "--timeout", "3"]
+        done, loaded = imported_by(["hostpid", *probe], env, installed.root)
+        wrapped = "import re, sys\nfrom hostpid.cli import main\nsys.exit(main())\n"
+        control, control_loaded = imported_by(["python", "-c", wrapped, *probe], env,
+                                              installed.root)
+        doctor = subprocess.run(["hostpid", "doctor", "--socket", str(socket_path)], env=env,
+                                cwd=installed.root, capture_output=True, text=True, timeout=60)
+    _, interpreter = imported_by(["python", "-c", "pass"], env, installed.root)
+    assert done.returncode == 0 and ": ok: answered PID " in done.stdout, done.stderr
+    assert heavy_modules(loaded, interpreter) == []
+    assert control.returncode == 0, control.stderr
+    assert "re" in heavy_modules(control_loaded, interpreter)
+    # The other subcommands run from the script too (the argparse path).
+    assert doctor.returncode == 1, doctor.stderr  # no gate, no read-only mount here
+    assert doctor.stdout.startswith("gate FAIL "), doctor.stdout

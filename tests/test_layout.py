@@ -36,8 +36,8 @@ from support import REPO
 
 PACKAGE = REPO / "hostpid"
 SHARED = {
-    "wire", "gate", "peercred", "starttime", "defaults", "errors", "logs", "version", "values",
-    "boundedhttp",
+    "wire", "gate", "peercred", "ucred", "starttime", "defaults", "errors", "logs", "version",
+    "values", "boundedhttp",
 }
 SIDES = {"broker", "client", "node", "admission"}
 TOP = {"", "cli", "testing", "tap", "allocation"}

@@ -57,7 +57,7 @@ from hostpid.client.trust import (
     host_pid_from_reply,
     inspect_layout,
 )
-from hostpid.peercred import PeerCredentials, peer_credentials
+from hostpid.ucred import PeerCredentials, peer_credentials
 
 __all__ = [
     "CHECKS", "CONNECT", "DEADLINE", "DIRECTORY", "DOCTOR_CHECKS", "GATE", "OPTIONAL_CHECKS",

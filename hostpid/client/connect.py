@@ -10,11 +10,15 @@ handling; the blocking client sleeps the backoff (L{hostpid.client.blocking})
 and the Twisted client schedules it on its clock (L{hostpid.client.txclient}).
 The policy (how long, how often) lives here once so the two cannot drift, and
 matches the C client's.
+
+It makes the socket with the C module C{_socket}: the C{socket} module's
+import (C{enum}, C{selectors}, C{collections}) would cost an exec probe
+more CPU than its whole transaction.
 """
 
 from __future__ import annotations
 
-import socket
+import _socket
 
 from hostpid.client.trust import CONNECT, HostPidUnavailable, os_error_text
 
@@ -32,17 +36,17 @@ def next_backoff(delay: float) -> float:
     return min(delay * 2, LAST_BACKOFF)
 
 
-def new_socket() -> socket.socket:
+def new_socket() -> _socket.socket:
     """
     A Unix stream socket that never blocks and is not inherited across
     C{exec}: a client in a workload must not leak it into child programs.
     """
-    return socket.socket(
-        socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC
+    return _socket.socket(
+        _socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_NONBLOCK | _socket.SOCK_CLOEXEC
     )
 
 
-def try_connect(sock: socket.socket, address: str) -> bool:
+def try_connect(sock: _socket.socket, address: str) -> bool:
     """
     One non-blocking connect attempt: C{True} when connected, C{False} when
     the accept queue is full (retry after L{next_backoff}).

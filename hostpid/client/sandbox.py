@@ -30,11 +30,14 @@ This module reads and judges; naming the check is L{hostpid.client.trust}'s.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import struct
 
 from hostpid.values import Value
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 #: What gVisor's sentry reports as C{uname().version}, in every release.
 GVISOR_KERNEL_VERSION = "#1 SMP Sun Jan 10 15:06:54 PST 2016"
@@ -69,20 +72,52 @@ class SandboxSignals(Value):
                   mount_type=mount_type)
 
 
-#: The C library already loaded into this process (no search, no subprocess).
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_FSTATFS = _LIBC.fstatfs
-_FSTATFS.argtypes = (ctypes.c_int, ctypes.c_void_p)
-_FSTATFS.restype = ctypes.c_int
+#: The C library's C{fstatfs}, once L{ctypes_fstatfs_type} has looked it up.
+_ctypes_fstatfs: Callable[..., int] | None = None
+
+
+def ctypes_fstatfs_type(fd: int) -> int:
+    """
+    C{f_type} of the filesystem C{fd} is on, through C{ctypes}: where the C
+    helper is not built.  C{ctypes} is imported here, on first use, and
+    calls the C library already loaded into this process (no search, no
+    subprocess).
+
+    @raise OSError: C{fstatfs} failed.
+    """
+    import ctypes
+
+    global _ctypes_fstatfs
+    fstatfs = _ctypes_fstatfs
+    if fstatfs is None:
+        fstatfs = _ctypes_fstatfs = ctypes.CDLL(None, use_errno=True).fstatfs
+        fstatfs.argtypes = (ctypes.c_int, ctypes.c_void_p)
+        fstatfs.restype = ctypes.c_int
+    buffer = ctypes.create_string_buffer(_STATFS_SIZE)
+    if fstatfs(fd, buffer) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, os.strerror(error))
+    (f_type,) = _F_TYPE.unpack_from(buffer.raw)
+    return int(f_type) & 0xFFFFFFFF
+
+
+#: C{f_type} of the filesystem a descriptor is on (Python's C{statvfs} has
+#: no such field): one C call where the helper is built
+#: (native/_hostpid_native.c), else through C{ctypes}, whose import costs an
+#: exec probe (a fresh interpreter every few seconds on every node) about 3 ms.
+fstatfs_type: Callable[[int], int]
+try:
+    from _hostpid_native import fstatfs_type
+except ImportError:
+    fstatfs_type = ctypes_fstatfs_type
 
 
 def _fstatfs_type(fd: int) -> int | None:
-    """C{f_type} of the filesystem C{fd} is on (Python's C{statvfs} has no such field)."""
-    buffer = ctypes.create_string_buffer(_STATFS_SIZE)
-    if _FSTATFS(fd, buffer) != 0:
+    """L{fstatfs_type}, or C{None} when the call failed."""
+    try:
+        return fstatfs_type(fd)
+    except OSError:
         return None
-    (f_type,) = _F_TYPE.unpack_from(buffer.raw)
-    return int(f_type) & 0xFFFFFFFF
 
 
 def read_signals(directory_fd: int | None) -> SandboxSignals:

@@ -2,18 +2,19 @@
 One checked transaction on a plain non-blocking socket, and the probe built
 on it: what C{hostpid probe} (an exec probe, a fresh interpreter three times
 per 20 s on every node) runs, so this module and what it imports load
-neither C{attrs} nor Twisted.  L{hostpid.client.blocking} builds the
-workload's query and C{doctor} on the same pieces.
+neither C{attrs} nor Twisted, nor the standard library's C{socket},
+C{enum}, C{ctypes} or C{collections} (C{tests/test_cli.py} holds the list):
+each import is CPU the probe pays on every run.  L{hostpid.client.blocking}
+builds the workload's query and C{doctor} on the same pieces.
 """
 
 from __future__ import annotations
 
+import _socket
 import math
 import os
 import select
-import socket
 import time
-from collections.abc import Callable, Mapping
 
 from hostpid import defaults, wire
 from hostpid.client.connect import FIRST_BACKOFF, new_socket, next_backoff, try_connect
@@ -32,8 +33,12 @@ from hostpid.client.trust import (
     inspect_layout,
     os_error_text,
 )
-from hostpid.peercred import PeerCredentials, peer_credentials
+from hostpid.ucred import PeerCredentials, peer_credentials
 from hostpid.values import Value
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
 
 
 class BlockingConnection:
@@ -81,7 +86,7 @@ class BlockingConnection:
         while sent < len(data):
             self._wait(select.POLLOUT, f"sending the request ({sent} of {len(data)} bytes)")
             try:
-                sent += self.sock.send(data[sent:], socket.MSG_NOSIGNAL)
+                sent += self.sock.send(data[sent:], _socket.MSG_NOSIGNAL)
             except BlockingIOError:
                 continue
             except OSError as error:

@@ -44,15 +44,16 @@ import errno
 import math
 import os
 import stat
-from collections.abc import Mapping
 
 from hostpid import gate, wire
 from hostpid.client import peerpid, sandbox, userns
-from hostpid.peercred import PeerCredentials
+from hostpid.ucred import PeerCredentials
 from hostpid.values import Value
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from hostpid.client.policy import STRICT as STRICT
     from hostpid.client.policy import TrustPolicy as TrustPolicy
 

@@ -6,6 +6,7 @@ L{Deferred}.
 
 from __future__ import annotations
 
+import _socket
 import socket
 from collections.abc import Callable, Mapping
 from typing import Protocol as Structural
@@ -33,7 +34,7 @@ from hostpid.client.trust import (
     inspect_layout,
     os_error_text,
 )
-from hostpid.peercred import PeerCredentials, peer_credentials
+from hostpid.ucred import PeerCredentials, peer_credentials
 
 
 class _DelayedCall(Structural):
@@ -156,7 +157,7 @@ class _TwistedTransaction:
         self._layout = layout
         self._reactor = reactor
         self._clock = clock
-        self._sock: socket.socket | None = None
+        self._sock: _socket.socket | None = None
         self._protocol: _ReplyProtocol | None = None
         self._retry: _DelayedCall | None = None
         self._deadline: _DelayedCall | None = None
