@@ -21,6 +21,7 @@ from twisted.python.failure import Failure
 from hostpid import wire
 from hostpid.broker.connections import SOCKETS
 from hostpid.broker.descriptors import SCM_MAX_FD, BackgroundCloser, PassedDescriptors
+from hostpid.broker.fsrules import open_broker_directory
 from hostpid.broker.port import (
     BACKOFF_INITIAL,
     BACKOFF_MAX,
@@ -29,6 +30,7 @@ from hostpid.broker.port import (
     BrokerPort,
 )
 from hostpid.broker.server import BrokerFactory, Outcome
+from hostpid.peercred import LivenessCheck, PeerIdentifier
 
 pytestmark = pytest.mark.kernel
 
@@ -297,3 +299,40 @@ def test_a_closed_port_leaves_no_guard_in_the_watch(clock, listener) -> None:
     assert passed.guard in watch._guards, "a connection in flight may still be closed"
     port.factory.transactionEnded()
     assert passed.guard not in watch._guards
+
+
+def test_the_markers_close_is_watched_where_descriptors_may_be_passed(tmp_path) -> None:
+    """
+    The backlog marker is a Unix socket the reactor thread closes every
+    10 ms while start times are compared (kernels before 6.5, all in mode
+    received).  On kernels before 6.10 any Unix socket's release may run the
+    collector of in-flight garbage and free a tenant's lingering socket in
+    the closing thread: unwatched, that froze the broker for the linger
+    time (in the 5.10 guest, a client unanswered for 60 s under the nested
+    lingering-socket attack).  So it is watched like a connection's close.
+    """
+    directory = tmp_path / "broker"
+    fd = open_broker_directory(str(directory), os.geteuid())
+    clock = MemoryReactorClock()
+    factory = BrokerFactory(
+        clock, 0.5, 4, identifier=PeerIdentifier(check=LivenessCheck.PIDFD_OPEN)
+    )
+    fatal: list[Failure] = []
+    port = BrokerPort(str(directory / "broker.sock"), fd, factory, clock, fatal.append,
+                      receiveDescriptors=True)
+    port.startListening()
+    try:
+        passed = factory.passed
+        assert passed is not None and factory.identifier.acceptClock is not None
+        before = passed.guard.closes
+        port._insertMarker()
+        assert len(factory.markers) == 1, "a marker was put in the backlog"
+        assert passed.guard.closes == before + 1, "its close was watched"
+        assert not passed.guard.busy
+        assert fatal == []
+    finally:
+        port._stopFloorRefresh()
+        port.socket.close()  # type: ignore[union-attr]
+        if factory.passed is not None:
+            factory.passed.stop()
+        os.close(fd)

@@ -55,7 +55,7 @@ from typing import Any
 from twisted.logger import Logger
 
 from hostpid.broker import disposer
-from hostpid.broker.closewatch import CloseWatch, default_watch
+from hostpid.broker.closewatch import CloseGuard, CloseWatch, close_watched, default_watch
 
 #: Descriptors held in the broker and with the disposer, not yet reported
 #: closed, beyond which L{BackgroundCloser.saturated} (reads then take no
@@ -191,9 +191,9 @@ class Disposer:
     def fileno(self) -> int:
         return self.progressChannel.fileno()
 
-    def close(self) -> None:
-        self.channel.close()
-        self.progressChannel.close()
+    def close(self, guard: CloseGuard) -> None:
+        """Close both channels, watched by the closing thread's C{guard}."""
+        close_watched(guard, self.channel, self.progressChannel)
 
 
 class BackgroundCloser:
@@ -364,11 +364,9 @@ class BackgroundCloser:
             try:
                 process = self._spawn(theirs.fileno(), reporter.fileno())
             finally:
-                theirs.close()
-                reporter.close()
+                close_watched(self._guard, theirs, reporter)
         except OSError as e:
-            ours.close()
-            reports.close()
+            close_watched(self._guard, ours, reports)
             self.spawnFailures += 1
             if self.spawnFailures & (self.spawnFailures - 1) == 0:
                 self.log.warn(
@@ -489,7 +487,7 @@ class BackgroundCloser:
             which.process.send_signal(signal.SIGKILL)
         except OSError:
             pass
-        which.close()
+        which.close(self._guard)
         self.abandoned.append(which)
         self.log.warn(
             "hostpid-broker: disposer {pid} abandoned: {why}; {owed} descriptors went with it "
@@ -512,7 +510,7 @@ class BackgroundCloser:
         current, self._disposer = self._disposer, None
         if current is not None:
             self._stopReading(current)
-            current.close()
+            current.close(self._guard)
             self._retiredDrained += current.drained
             self._retiredInterrupted += current.interrupted
         self._watch.forget(self._guard)

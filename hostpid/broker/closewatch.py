@@ -59,7 +59,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -164,6 +164,29 @@ class CloseGuard:
         self.looks = 0
         self.stuck = False
         self.onStuck = onStuck
+
+
+class Closable(Protocol):
+    def close(self) -> None: ...
+
+
+def close_watched(guard: CloseGuard, *closables: Closable) -> None:
+    """
+    Close each of C{closables} in the calling thread (C{guard}'s), watched:
+    each counts as a close of its own, interrupted if it lasts.  For every
+    Unix socket a broker thread closes, not only connections: on kernels
+    before 6.10 I{any} Unix socket's release may run the collector of
+    in-flight garbage (C{unix_release_sock} calls C{unix_gc} whenever
+    descriptors are in flight anywhere), which frees whatever a tenant left
+    in flight, a lingering TCP socket included, in the closing thread.
+    """
+    for closable in closables:
+        guard.closes += 1
+        guard.busy = True
+        try:
+            closable.close()
+        finally:
+            guard.busy = False
 
 
 class CloseWatch:

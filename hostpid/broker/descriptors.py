@@ -82,6 +82,7 @@ from typing import Any
 
 from hostpid import defaults
 from hostpid.broker.closer import BackgroundCloser
+from hostpid.broker.closewatch import Closable, close_watched
 from hostpid.broker.connections import NATIVE_MISSING, unix_socket
 from hostpid.broker.connections import helper as _native
 
@@ -398,7 +399,7 @@ class PassedDescriptors:
             return False
         try:
             if not sock.recv_into(self._peekBuffer, 1, _PEEK_FLAGS):
-                # _closeHere, inline: this is every transaction's close.
+                # closeHere, inline: this is every transaction's close.
                 guard = self.guard
                 guard.closes += 1
                 guard.busy = True
@@ -457,18 +458,17 @@ class PassedDescriptors:
                 self._dispose(ancillary)
             elif not data:
                 # End of file after SHUT_RD: the queue is empty for good.
-                self._closeHere(sock)
+                self.closeHere(sock)
                 return found
         self.closer.submit(sock.detach())
         return found
 
-    def _closeHere(self, sock: _socket.socket) -> None:
-        """Close C{sock} in this thread, watched (see L{guard})."""
-        guard = self.guard
-        guard.closes += 1
-        guard.busy = True
-        sock.close()
-        guard.busy = False
+    def closeHere(self, sock: Closable) -> None:
+        """
+        Close C{sock} in this thread, watched (see L{guard}): a connection,
+        or any other Unix socket the thread closes.
+        """
+        close_watched(self.guard, sock)
 
     def _dispose(self, ancillary: list[tuple[int, int, bytes]]) -> None:
         for level, kind, payload in ancillary:

@@ -277,7 +277,14 @@ class BrokerPort(unix.Port):
             # this time; L{emptyAt} stays where it is (only ever too early).
             markers.pop(nonce, None)
         finally:
-            marker.close()
+            # Watched where clients can pass descriptors: this is a Unix
+            # socket's release, which on kernels before 6.10 may free a
+            # tenant's in-flight garbage (a lingering socket) right here.
+            passed = factory.passed
+            if passed is None:
+                marker.close()
+            else:
+                passed.closeHere(marker)
 
     def _markerSeen(self, made: int) -> None:
         """A marker made at C{made} was accepted: see L{_insertMarker}."""
