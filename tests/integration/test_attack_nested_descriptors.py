@@ -83,11 +83,17 @@ def test_nested_lingering_sockets_do_not_stop_reads(public_tmp: Path, how: str) 
             assert results == ["sent"] * 4
             wait_for(lambda: "descriptors transactions so far: 4" in broker.output(),
                      "the four passed sockets counted as outcome descriptors")
-            # Then clients keep coming, as a node's workloads do, each
-            # bounded; before the fix none was answered from here on.
-            each_answered(broker.socket_path, 20, CLIENT_BOUND)
-            # The outer sockets went to the disposer, which closed them
-            # while the attacker (the lingering sockets' peers) still lives:
-            # disarmed or interrupted, never left to linger.
-            wait_for(lambda: "passed descriptors closed by the disposer" in broker.output(),
-                     "the broker to say the disposer closed them")
+            try:
+                # Then clients keep coming, as a node's workloads do, each
+                # bounded; before the fix none was answered from here on.
+                each_answered(broker.socket_path, 20, CLIENT_BOUND)
+                # The outer sockets went to the disposer, which closed them
+                # while the attacker (the lingering sockets' peers) still
+                # lives: disarmed or interrupted, never left to linger.
+                wait_for(lambda: "passed descriptors closed by the disposer" in broker.output(),
+                         "the broker to say the disposer closed them")
+            except AssertionError as failure:
+                # What the broker said of its disposers names the step that failed.
+                raise AssertionError(
+                    f"{failure}\nthe broker's log:\n{broker.output()[-6000:]}"
+                ) from None
