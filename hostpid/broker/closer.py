@@ -448,7 +448,7 @@ class BackgroundCloser:
                 # never does.
                 if self._reactorOrNone().seconds() - current.startedAt >= STARTUP_TIMEOUT:
                     self._abandon(current, f"it did not start within {STARTUP_TIMEOUT:.0f}s")
-            elif current.owed and current.closed == current.checked:
+            elif current.owed and current.closed + current.interrupted == current.checked:
                 if self.stuckDisposers < self.maxAbandoned:
                     self._abandon(
                         current,
@@ -466,7 +466,11 @@ class BackgroundCloser:
                         pid=current.process.pid, most=self.maxAbandoned, owed=current.owed,
                     )
             else:
-                current.checked = current.closed
+                # Progress is a connection drained or a wait interrupted: a
+                # disposer cutting one lingering close after another (slow
+                # under emulation) is working; one in a wait that ignores
+                # signals reports neither.
+                current.checked = current.closed + current.interrupted
         if self.held:
             self._send()
         if self.held or (self._disposer is not None and self._disposer.owed):
