@@ -91,15 +91,14 @@ REPORT_EVERY = 0.1
 
 
 def _alarm(signum: int, frame: object) -> None:
-    global interrupted
+    global interrupted, _reportedAt
     if _busy:
         interrupted += 1
-        # Reported at once: a handler runs only once the interrupted call
-        # has returned, so each report proves a wait that signals end, and
-        # the broker never abandons a disposer busy cutting them.
-        # At most every REPORT_EVERY: the pair's queue (10 messages) stays
-        # free for the report after each connection.
-        global _reportedAt
+        # Reported, at most every REPORT_EVERY (the pair's queue, 10
+        # messages, stays free for the report after each connection): a
+        # handler runs only once the interrupted call has returned, so each
+        # report proves a wait that signals end, and the broker does not
+        # abandon a disposer busy cutting them.
         now = time.monotonic()
         if _progress is not None and now - _reportedAt >= REPORT_EVERY:
             _reportedAt = now

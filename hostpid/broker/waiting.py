@@ -336,14 +336,8 @@ class WaitingRoom:
         the end of every turn, however it ended.
         """
         over, self.overLimit = self.overLimit, []
-        factory = self.factory
-        passed = factory.passed
         for sock in over:
-            if passed is None:
-                sock.close()
-            else:
-                passed.release(sock)
-            factory.record(_OVER_LIMIT)
+            self._shed(sock)
 
     def _evictGone(self) -> bool:
         """
