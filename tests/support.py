@@ -455,6 +455,37 @@ def open_fd_count(pid: int | str = "self") -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def descriptor_links(pid: int) -> dict[str, str]:
+    """Each open descriptor of C{pid} and what it names (C{""} if closed meanwhile)."""
+    links = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            links[fd] = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            links[fd] = ""
+    return links
+
+
+def descriptors_since(pid: int, before: dict[str, str]) -> int:
+    """
+    How many descriptors C{pid} holds beyond those of C{before}
+    (L{descriptor_links}) it still has.  A count measured against a number
+    taken earlier is not this: the broker opens short-lived descriptors of
+    its own at moments a test cannot choose, so a baseline count taken while
+    one was open is never reached again once it is closed.
+    """
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        if fd not in before:
+            count += 1
+            continue
+        try:
+            count += os.readlink(f"/proc/{pid}/fd/{fd}") != before[fd]
+        except OSError:
+            count += 1
+    return count
+
+
 def _names_listener(local: str, users: str, path: Path | str) -> bool:
     """
     Whether an C{ss} row's bound name is the socket at C{path}: either that

@@ -31,6 +31,8 @@ from attackers import LINGERING_SOCKET
 from support import (
     as_user_argv,
     ask_pid,
+    descriptor_links,
+    descriptors_since,
     open_fd_count,
     require_root,
     running_broker,
@@ -100,7 +102,7 @@ def test_a_full_descriptor_table_does_not_freeze_the_broker(public_tmp: Path) ->
         env={RECEIVE_DESCRIPTORS_ENV: "1"},
         preexec_fn=_modest_descriptor_limit,
     ) as broker:
-        baseline = open_fd_count(broker.pid)
+        before = descriptor_links(broker.pid)
         attacker = subprocess.Popen(
             as_user_argv(1000, [sys.executable, "-c", ATTACKER, str(broker.socket_path),
                                 str(CONNECTIONS), str(LINGER)]),
@@ -110,7 +112,7 @@ def test_a_full_descriptor_table_does_not_freeze_the_broker(public_tmp: Path) ->
             assert attacker.stdout is not None and attacker.stdin is not None
             assert attacker.stdout.readline() == "connected\n"
             # Silent and accepted: the messages arrive on the general path.
-            wait_for(lambda: open_fd_count(broker.pid) >= baseline + CONNECTIONS,
+            wait_for(lambda: descriptors_since(broker.pid, before) >= CONNECTIONS,
                      "the broker to hold every attacker connection")
             attacker.stdin.write("go\n")
             attacker.stdin.flush()

@@ -23,7 +23,8 @@ from support import (
     WAIT_SECONDS,
     as_user_argv,
     connect,
-    open_fd_count,
+    descriptor_links,
+    descriptors_since,
     read_until_eof,
     require_root,
     running_broker,
@@ -71,7 +72,7 @@ def test_slow_senders_are_answered_while_silent_connections_hold_every_slot(
     with running_broker(
         public_tmp / "broker", "--max-connections", str(limit), *bound, "--deadline", "30"
     ) as broker:
-        baseline = open_fd_count(broker.pid)
+        before = descriptor_links(broker.pid)
         attacker = subprocess.Popen(
             as_user_argv(1000, [sys.executable, "-c", IDLE_FLOOD, str(broker.socket_path),
                                 str(silent), mode]),
@@ -80,7 +81,7 @@ def test_slow_senders_are_answered_while_silent_connections_hold_every_slot(
         try:
             assert attacker.stdout is not None
             assert attacker.stdout.readline() == "ready\n", "the attacker's connections"
-            wait_for(lambda: open_fd_count(broker.pid) >= baseline + held,
+            wait_for(lambda: descriptors_since(broker.pid, before) >= held,
                      f"{held} slots held by the attacker")
             answered = sum(slow_sender(broker.socket_path) for _ in range(CLIENTS))
             assert attacker.poll() is None, "the attack lasted the whole test"
