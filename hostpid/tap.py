@@ -10,10 +10,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from twisted.application.internet import StreamServerEndpointService
 from twisted.application.service import IService, IServiceCollection
-from twisted.internet import endpoints
-from twisted.internet.interfaces import IProtocolFactory, IStreamServerEndpoint
 from twisted.logger import ILogObserver
 from twisted.python import usage
 from twisted.python.components import Componentized
@@ -53,62 +50,6 @@ def _seconds(option: str, value: object) -> float:
             f"must be a positive number of seconds, at most {MAX_DEADLINE:g}, got {value!r}",
         )
     return number
-
-
-def _reason(error: BaseException) -> str:
-    """An exception as the end of a one-line message."""
-    if isinstance(error, OSError) and error.strerror:
-        return error.strerror
-    return str(error) or type(error).__name__
-
-
-def parse_metrics_endpoint(description: str, reactor: Any = None) -> IStreamServerEndpoint:
-    """
-    Parse C{--metrics} without listening (C{serverFromString} only builds the
-    endpoint), so that a mistyped value is a usage error before anything is
-    created.
-
-    @raise BrokerStartupError: naming the option and what is wrong (its one
-        line comes from L{refuse_in_one_line}).
-    """
-    if reactor is None:
-        from twisted.internet import reactor as _reactor
-
-        reactor = _reactor
-    try:
-        return endpoints.serverFromString(reactor, description)
-    except Exception as e:
-        raise BrokerStartupError(
-            f"--metrics {description!r}",
-            f"not a Twisted server endpoint string ({_reason(e)}); for example "
-            "tcp:9394:interface=127.0.0.1",
-        ) from None
-
-
-class MetricsEndpointService(StreamServerEndpointService):
-    """
-    The metrics server's listening service.  A failed listen raises at once
-    (twistd binds it in C{privilegedStartService}, before the broker creates
-    anything) as a L{BrokerStartupError} naming C{--metrics}, whatever the
-    endpoint raised (C{CannotListenError}, or an C{OSError} from a C{unix:}
-    endpoint's lock file).
-    """
-
-    _raiseSynchronously = True
-
-    def __init__(
-        self, description: str, endpoint: IStreamServerEndpoint, factory: IProtocolFactory
-    ) -> None:
-        super().__init__(endpoint, factory)
-        self.description = description
-
-    def privilegedStartService(self) -> None:
-        try:
-            super().privilegedStartService()
-        except Exception as e:
-            raise BrokerStartupError(
-                f"--metrics {self.description}", f"the metrics endpoint cannot listen: {_reason(e)}"
-            ) from None
 
 
 class Options(usage.Options):
@@ -189,6 +130,8 @@ class Options(usage.Options):
                     "--max-waiting-per-peer", self["max-waiting-per-peer"]
                 )
             if self["metrics"]:
+                from hostpid.broker.metricsport import parse_metrics_endpoint
+
                 self.metricsEndpoint = parse_metrics_endpoint(self["metrics"])
             if self["after-handover"] not in ("exit", "wait"):
                 raise BrokerStartupError(
@@ -205,7 +148,7 @@ class _ExitOnStartupError(RefuseInOneLine):
     """
     The plugin's top service: a refused startup is one line on stderr and
     exit status 1 (L{RefuseInOneLine}), the metrics port's failed listen
-    included (L{MetricsEndpointService}), since twistd binds it in
+    included (L{hostpid.broker.metricsport.MetricsEndpointService}), since twistd binds it in
     C{privilegedStartService}.
 
     @ivar logObserver: with C{--log-format json}, the observer twistd is to
@@ -285,6 +228,7 @@ def _makeService(options: Options | dict[str, Any]) -> IService:
         broker.onHandedOver = broker.stopService
     if options["metrics"]:
         from hostpid.broker.metrics import metrics_site
+        from hostpid.broker.metricsport import MetricsEndpointService, parse_metrics_endpoint
 
         description = options["metrics"]
         endpoint = getattr(options, "metricsEndpoint", None) or parse_metrics_endpoint(description)

@@ -101,6 +101,11 @@ def subprocess_env(extra: dict[str, str] | None = None, **more: str) -> dict[str
         p for p in (str(REPO), env.get("PYTHONPATH", "")) if p
     )
     env.pop("NOTIFY_SOCKET", None)
+    # Children keep the bytecode they compile, as an installed package has
+    # its own: without it every broker a test starts compiles the tree's
+    # hundred-odd modules again (a tenth of a second no installed broker
+    # spends), and restart tests would measure the compiler.
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     if extra:
         env.update(extra)
     env.update(more)

@@ -183,6 +183,31 @@ def test_accepts_per_turn_adapt_to_what_is_waiting(clock, listener) -> None:
         assert client.recv(64) == wire.encode_ok(os.getpid())
 
 
+def test_a_stopping_port_answers_its_whole_queue_in_one_turn(clock, listener) -> None:
+    """
+    As the broker stops, what waits in the queue is accepted and answered
+    in one turn, however few a turn accepted just before: a client queued
+    at that moment is not left to the next broker's start.
+    """
+    port, _ = make_port(clock, listener, [])
+    listener.errors = [0] * 40  # type: ignore[attr-defined]
+    port.acceptQueued()
+    assert listener.errors == []  # type: ignore[attr-defined]
+    for client in listener.clients:  # type: ignore[attr-defined]
+        assert client.recv(64) == wire.encode_ok(os.getpid())
+
+
+def test_a_stopping_port_accepts_no_more_than_its_slots(clock, listener) -> None:
+    """One turn of at most the slots there are: a flood of connects cannot delay the stop."""
+    factory = BrokerFactory(clock, calls=SOCKETS, maxConnections=8)
+    port = BrokerPort("/nonexistent/broker.sock", -1, factory, clock, [].append)
+    port.socket = listener  # type: ignore[assignment]
+    port.connected = True
+    listener.errors = [0] * 20  # type: ignore[attr-defined]
+    port.acceptQueued()
+    assert len(listener.errors) == 12  # type: ignore[attr-defined]
+
+
 def test_connections_over_their_peers_share_are_closed_when_the_turn_ends(
     clock, listener
 ) -> None:

@@ -346,6 +346,22 @@ class BrokerPort(unix.Port):
         self.identity = self._handedIdentity
         return skt
 
+    def acceptQueued(self) -> None:
+        """
+        One last turn as the broker stops: accept what waits in the queue, at
+        most as many as there are slots.  A connection whose request is
+        there is answered at once; any other waits out its deadline as every
+        accepted one does.  Without this turn a client queued at the moment
+        of the stop would be reset with the listener, or, where systemd
+        keeps the listener, wait for the next broker's start (a Python
+        start: a third of a client's half-second deadline or more).  One
+        turn only, so that no flood of connects can delay the stop.
+        """
+        if not self.connected or self.pausedSince is not None:
+            return
+        self._acceptsPerTurn = self.factory.maxConnections
+        self.doRead()
+
     def handOverPath(self) -> None:
         """
         The listener now belongs to the broker that took over: this one stops

@@ -769,6 +769,8 @@ class BrokerService(Service):
             # the socket down.
             port.handOverPath()
         self.log.info("hostpid-broker: stopping: {path}", path=self.socketPath)
+        if not self.handedOver:
+            port.acceptQueued()
         stopped: Deferred[None] = maybeDeferred(port.stopListening)
 
         def portClosed(_: object) -> Deferred[None]:
