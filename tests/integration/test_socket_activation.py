@@ -19,6 +19,13 @@ from servicemanager import ServiceManager, bind_listener
 from support import BrokerProcess, ask_pid, require_root
 
 RESTARTS = 20
+#: Clients that may fall back over the restarts.  A client that connects
+#: after the old broker's last turn waits in the queue for the new broker's
+#: first answer, a Python start (0.25-0.5 s here) against its own 0.5 s
+#: deadline, so a slow start on a busy machine still costs a few (0-15 of
+#: about 1,500 measured).  Half of them fell back when a stopping broker
+#: left its queue to the next start.
+FALLBACK_SHARE = 0.05
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +93,7 @@ def test_socket_activation_keeps_the_listener_across_restarts(
     assert report["wrong"] == 0, no_fallbacks(report)
     assert report["by_reason"].get("ENOENT", 0) == 0, no_fallbacks(report)  # type: ignore[union-attr]
     assert report["by_reason"].get("ECONNREFUSED", 0) == 0, no_fallbacks(report)  # type: ignore[union-attr]
+    assert report["fallbacks"] <= FALLBACK_SHARE * report["clients"], no_fallbacks(report)  # type: ignore[operator]
 
 
 def test_descriptor_store_keeps_the_listener_across_restarts(
@@ -98,6 +106,7 @@ def test_descriptor_store_keeps_the_listener_across_restarts(
     assert report["wrong"] == 0, no_fallbacks(report)
     assert report["by_reason"].get("ENOENT", 0) == 0, no_fallbacks(report)  # type: ignore[union-attr]
     assert report["by_reason"].get("ECONNREFUSED", 0) == 0, no_fallbacks(report)  # type: ignore[union-attr]
+    assert report["fallbacks"] <= FALLBACK_SHARE * report["clients"], no_fallbacks(report)  # type: ignore[operator]
 
 
 @pytest.mark.parametrize(
