@@ -260,6 +260,62 @@ def test_a_busy_close_is_signalled_a_bounded_number_of_times() -> None:
         watch.forget(guard)
 
 
+def test_a_disposer_that_reports_interrupted_waits_is_not_abandoned() -> None:
+    """
+    A disposer cutting one lingering close after another closes nothing for
+    a while, but reports each interrupted wait: that is progress, and it is
+    kept (under emulation such a disposer was abandoned after 0.5 s, and
+    the descriptors it held went with it).  Once it reports nothing for
+    STUCK_AFTER it is abandoned as before.
+    """
+    program = (
+        "import socket, struct, sys, time\n"
+        "progress = socket.socket(fileno=int(sys.argv[1]))\n"
+        "progress.send(struct.pack('=QQQ', 0, 0, 0))\n"
+        "interrupted = 0\n"
+        "while sys.stdin.buffer.read(1):\n"
+        "    interrupted += 1\n"
+        "    progress.send(struct.pack('=QQQ', 0, 0, interrupted))\n"
+        "    print('sent', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    clock = MemoryReactorClock()
+    spawned: list[subprocess.Popen[bytes]] = []
+
+    def interrupting(channel: int, progress: int) -> subprocess.Popen[bytes]:
+        process = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", program, str(progress)],
+            pass_fds=(channel, progress), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        )
+        spawned.append(process)
+        return process
+
+    closer = BackgroundCloser(
+        reactor=clock, watch=CloseWatch(), stuckAfter=0.5, spawn=interrupting
+    )
+    read, write = os.pipe()
+    try:
+        closer.submit(read)
+        wait_for(lambda: closer.disposerReady, "the disposer to say it is ready")
+        process = spawned[0]
+        assert process.stdin is not None and process.stdout is not None
+        for _ in range(3):
+            process.stdin.write(b"x")
+            process.stdin.flush()
+            assert process.stdout.readline() == b"sent\n"
+            clock.advance(0.5)
+            assert closer.stuckDisposers == 0, "kept: it reported an interrupted wait"
+        assert closer.interrupted == 3 and closer.closed == 0
+        clock.advance(0.5)
+        assert process.wait(timeout=10) == -signal.SIGKILL, "abandoned: no report since"
+    finally:
+        closer.stop()
+        for process in spawned:
+            process.kill()
+            process.wait()
+        os.close(write)
+
+
 def test_at_the_bound_a_stuck_disposer_is_kept_and_parks_what_follows() -> None:
     """
     With as many abandoned disposers alive as the bound allows (here 0), a
