@@ -67,6 +67,18 @@ def never_reads(channel: int, progress: int, ready: bool = True) -> subprocess.P
     )
 
 
+def stop_all(
+    closer: BackgroundCloser, spawned: list[subprocess.Popen[bytes]], *fds: int
+) -> None:
+    """The closer stopped, every disposer it spawned killed and reaped, C{fds} closed."""
+    closer.stop()
+    for process in spawned:
+        process.kill()
+        process.wait()
+    for fd in fds:
+        os.close(fd)
+
+
 def sig_queue() -> tuple[int, int]:
     """This process's UID's queued signals and its limit, from /proc/self/status."""
     with open("/proc/self/status") as status:
@@ -309,11 +321,7 @@ def test_a_disposer_that_reports_interrupted_waits_is_not_abandoned() -> None:
         clock.advance(0.5)
         assert process.wait(timeout=10) == -signal.SIGKILL, "abandoned: no report since"
     finally:
-        closer.stop()
-        for process in spawned:
-            process.kill()
-            process.wait()
-        os.close(write)
+        stop_all(closer, spawned, write)
 
 
 def test_at_the_bound_a_stuck_disposer_is_kept_and_parks_what_follows() -> None:
@@ -386,8 +394,4 @@ def test_a_disposer_slow_to_start_is_waited_for_and_one_that_never_does_is_aband
             clock.advance(0.5)
         assert spawned[0].wait(timeout=10) == -signal.SIGKILL, "abandoned: it never started"
     finally:
-        closer.stop()
-        for process in spawned:
-            process.kill()
-            process.wait()
-        os.close(write)
+        stop_all(closer, spawned, write)
