@@ -743,8 +743,10 @@ class BrokerService(Service):
 
     def stopService(self) -> Deferred[None] | None:
         """
-        Stop accepting at once, let transactions in flight end (each within
-        its deadline), then release the lock.  Stopping twice is harmless.
+        Answer what waits in the queue in one last turn (unless the listener
+        was handed over: the new broker accepts it), stop accepting, let
+        transactions in flight end (each within its deadline), then release
+        the lock.  Stopping twice is harmless.
         """
         if not self.running:
             return None
