@@ -128,7 +128,8 @@ def test_a_disposer_that_makes_no_progress_is_abandoned_and_replaced() -> None:
     """
     A disposer stuck in a close that ignores signals (played here by one
     that never reads) is killed once STUCK_AFTER passes with descriptors
-    owed and no close finished; a fresh one closes what comes next.
+    owed and no close finished, counted from the first check after it said
+    it runs; a fresh one closes what comes next.
     """
     clock = MemoryReactorClock()
     spawned: list[subprocess.Popen[bytes]] = []
@@ -149,6 +150,8 @@ def test_a_disposer_that_makes_no_progress_is_abandoned_and_replaced() -> None:
     closer.submit(read)
     assert (closer.pending, closer.saturated) == (1, False)
     wait_for(lambda: closer.disposerReady, "the stuck disposer to say it is ready")
+    clock.advance(0.5)
+    assert spawned[0].poll() is None, "its first period of running starts at this look"
     clock.advance(0.5)
     assert closer.closed == 1 and closer.pending == 0, "the stuck disposer's debt written off"
     assert spawned[0].wait(timeout=10) == -signal.SIGKILL
@@ -320,6 +323,52 @@ def test_a_disposer_that_reports_interrupted_waits_is_not_abandoned() -> None:
         assert closer.interrupted == 3 and closer.closed == 0
         clock.advance(0.5)
         assert process.wait(timeout=10) == -signal.SIGKILL, "abandoned: no report since"
+    finally:
+        stop_all(closer, spawned, write)
+
+
+def test_a_disposer_is_judged_only_after_a_full_period_of_running() -> None:
+    """
+    The stuck clock starts when a disposer says it runs, not when it was
+    started: one whose first report comes just before a check has had no
+    time to drain or interrupt anything, and is not judged by that check
+    (before, a disposer slow to start under emulation was abandoned a few
+    milliseconds after it began, and the descriptors it held went with it).
+    One that then makes no progress for STUCK_AFTER is abandoned as before.
+    """
+    program = (
+        "import socket, struct, sys, time\n"
+        "sys.stdin.buffer.read(1)\n"
+        "socket.socket(fileno=int(sys.argv[1])).send(struct.pack('=QQQ', 0, 0, 0))\n"
+        "time.sleep(600)\n"
+    )
+    clock = MemoryReactorClock()
+    spawned: list[subprocess.Popen[bytes]] = []
+
+    def late(channel: int, progress: int) -> subprocess.Popen[bytes]:
+        process = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", program, str(progress)],
+            pass_fds=(channel, progress), stdin=subprocess.PIPE,
+        )
+        spawned.append(process)
+        return process
+
+    closer = BackgroundCloser(reactor=clock, watch=CloseWatch(), stuckAfter=0.5, spawn=late)
+    read, write = os.pipe()
+    try:
+        closer.submit(read)
+        clock.advance(0.4)
+        process = spawned[0]
+        assert process.stdin is not None
+        process.stdin.write(b"x")
+        process.stdin.flush()
+        wait_for(lambda: closer.disposerReady, "the disposer to say it is ready")
+        clock.advance(0.1)
+        assert process.poll() is None and closer.stuckDisposers == 0, (
+            "not judged: it had run for no time at all"
+        )
+        clock.advance(0.5)
+        assert process.wait(timeout=10) == -signal.SIGKILL, "abandoned: no progress since"
     finally:
         stop_all(closer, spawned, write)
 

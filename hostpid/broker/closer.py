@@ -147,8 +147,11 @@ class Disposer:
         self.closed = 0
         self.drained = 0
         self.interrupted = 0
-        #: L{closed} at the last stuck check.
+        #: L{closed} plus L{interrupted} at the last stuck check, and
+        #: whether a check has looked at it since it said it runs (its stuck
+        #: clock starts at that look).
         self.checked = 0
+        self.watched = False
         #: Whether its end of the pair was found closed (it exited).
         self.ended = False
         #: Whether it is kept although stuck (the bound on abandoned ones).
@@ -434,8 +437,10 @@ class BackgroundCloser:
     def checkStuck(self) -> None:
         """
         Every L{STUCK_AFTER} while anything is owed: a disposer that closed
-        nothing since the last look is abandoned; descriptors held in the
-        broker are offered again (to a fresh disposer, if one may start).
+        and interrupted nothing since the last look is abandoned (the first
+        look after it says it runs only starts its clock); descriptors held
+        in the broker are offered again (to a fresh disposer, if one may
+        start).
         """
         self._check = None
         current = self._disposer
@@ -448,6 +453,13 @@ class BackgroundCloser:
                 # never does.
                 if self._reactorOrNone().seconds() - current.startedAt >= STARTUP_TIMEOUT:
                     self._abandon(current, f"it did not start within {STARTUP_TIMEOUT:.0f}s")
+            elif not current.watched:
+                # Its first report may have come just before this check: it
+                # has had no time to drain or interrupt anything yet, so its
+                # clock starts here, a full stuckAfter of running before it
+                # is judged.
+                current.watched = True
+                current.checked = current.closed + current.interrupted
             elif current.owed and current.closed + current.interrupted == current.checked:
                 if self.stuckDisposers < self.maxAbandoned:
                     self._abandon(
