@@ -67,6 +67,29 @@ def never_reads(channel: int, progress: int, ready: bool = True) -> subprocess.P
     )
 
 
+def scripted_closer(
+    program: str,
+) -> tuple[MemoryReactorClock, BackgroundCloser, list[subprocess.Popen[bytes]]]:
+    """
+    A closer on a test clock (stuck after 0.5 s) whose disposers are played
+    by C{program}, run with its progress descriptor as C{argv[1]} and driven
+    through its stdin and stdout; and the list of those it spawns.
+    """
+    spawned: list[subprocess.Popen[bytes]] = []
+
+    def spawn(channel: int, progress: int) -> subprocess.Popen[bytes]:
+        process = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", program, str(progress)],
+            pass_fds=(channel, progress), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        )
+        spawned.append(process)
+        return process
+
+    clock = MemoryReactorClock()
+    closer = BackgroundCloser(reactor=clock, watch=CloseWatch(), stuckAfter=0.5, spawn=spawn)
+    return clock, closer, spawned
+
+
 def stop_all(
     closer: BackgroundCloser, spawned: list[subprocess.Popen[bytes]], *fds: int
 ) -> None:
@@ -294,20 +317,7 @@ def test_a_disposer_that_reports_interrupted_waits_is_not_abandoned() -> None:
         "    print('sent', flush=True)\n"
         "time.sleep(600)\n"
     )
-    clock = MemoryReactorClock()
-    spawned: list[subprocess.Popen[bytes]] = []
-
-    def interrupting(channel: int, progress: int) -> subprocess.Popen[bytes]:
-        process = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", program, str(progress)],
-            pass_fds=(channel, progress), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        )
-        spawned.append(process)
-        return process
-
-    closer = BackgroundCloser(
-        reactor=clock, watch=CloseWatch(), stuckAfter=0.5, spawn=interrupting
-    )
+    clock, closer, spawned = scripted_closer(program)
     read, write = os.pipe()
     try:
         closer.submit(read)
@@ -342,18 +352,7 @@ def test_a_disposer_is_judged_only_after_a_full_period_of_running() -> None:
         "socket.socket(fileno=int(sys.argv[1])).send(struct.pack('=QQQ', 0, 0, 0))\n"
         "time.sleep(600)\n"
     )
-    clock = MemoryReactorClock()
-    spawned: list[subprocess.Popen[bytes]] = []
-
-    def late(channel: int, progress: int) -> subprocess.Popen[bytes]:
-        process = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", program, str(progress)],
-            pass_fds=(channel, progress), stdin=subprocess.PIPE,
-        )
-        spawned.append(process)
-        return process
-
-    closer = BackgroundCloser(reactor=clock, watch=CloseWatch(), stuckAfter=0.5, spawn=late)
+    clock, closer, spawned = scripted_closer(program)
     read, write = os.pipe()
     try:
         closer.submit(read)
