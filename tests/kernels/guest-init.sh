@@ -68,11 +68,14 @@ uname -r > "$JOB/uname"
 # layer, shadowed here by the guest's own tmpfs /tmp (absent unless a test
 # makes one).  vm.py compares the host's before and after the run.
 if [ "${INIT:-}" = "systemd" ]; then
-    # The host's systemd as PID 1, starting nothing but the job: the host's
-    # fstab (which names the host's disks) is emptied in the overlay, so that
-    # what the tests' units pull in (sysinit.target) mounts nothing of it.
+    # The host's systemd as PID 1, starting nothing but the job.  What the
+    # tests' units pull in (sysinit.target) must not undo this script's
+    # setup: the host's fstab (which names the host's disks) is emptied in
+    # the overlay, and the boot-time cleaning of /tmp (tmpfiles' "D /tmp"),
+    # which would remove the job's files there, is masked.
     : > /etc/fstab
     mkdir -p /run/systemd/system
+    ln -sf /dev/null /run/systemd/system/systemd-tmpfiles-setup.service
     cat > /run/systemd/system/hostpid-guest-job.service <<UNIT
 [Unit]
 Description=hostpid kernel-matrix job

@@ -31,6 +31,7 @@ from continuity import build_hamiload, continuous_load, no_fallbacks
 from support import REPO, ask_pid, scaled, wait_for
 
 UNITS = REPO / "deploy" / "systemd"
+UNIT_DIR = Path("/etc/systemd/system")
 SERVICE = "hostpid-broker.service"
 SOCKET_UNIT = "hostpid-broker.socket"
 SOCKET = Path("/run/hami/hostpid/broker.sock")
@@ -60,6 +61,24 @@ def systemctl(*args: str) -> str:
     return done.stdout.strip()
 
 
+def reset_start_limit() -> None:
+    """
+    Count the service's starts afresh against StartLimitBurst=5 in 60 s
+    (C{reset-failed} also resets that count; it fails on a unit not loaded
+    yet, which has no count to reset).
+    """
+    subprocess.run(["systemctl", "reset-failed", SERVICE], capture_output=True, check=False)
+
+
+def active() -> bool:
+    """Whether the service is active (not activating, deactivating or failed)."""
+    done = subprocess.run(
+        ["systemctl", "is-active", SERVICE], capture_output=True, text=True,
+        timeout=scaled(30), check=False,
+    )
+    return done.stdout.strip() == "active"
+
+
 def main_pid() -> int:
     return int(systemctl("show", "--property=MainPID", "--value", SERVICE))
 
@@ -86,8 +105,8 @@ def installed() -> Iterator[None]:
     # Twisted's plugin cache, written once as root before the read-only service runs.
     subprocess.run([str(PREFIX / "bin" / "twistd"), "--help"], capture_output=True, check=True)
     for unit in (SERVICE, SOCKET_UNIT):
-        shutil.copy(UNITS / unit, Path("/etc/systemd/system") / unit)
-    drop_ins = Path("/etc/systemd/system") / f"{SERVICE}.d"
+        shutil.copy(UNITS / unit, UNIT_DIR / unit)
+    drop_ins = UNIT_DIR / f"{SERVICE}.d"
     drop_ins.mkdir(exist_ok=True)
     (drop_ins / "guest.conf").write_text(DROP_IN)
     systemctl("daemon-reload")
@@ -105,7 +124,7 @@ def restarts_under_load(
     with continuous_load(hamiload, SOCKET, report, interval_us=INTERVAL_US):
         for _ in range(times):
             systemctl(*restart)
-            assert systemctl("is-active", SERVICE) == "active"
+            assert active()
             pids.append(main_pid())
             assert os.stat(SOCKET).st_ino == original, "the same socket throughout"
     assert ask_pid(SOCKET) == os.getpid()
@@ -123,12 +142,12 @@ def assert_never_gone(report: dict[str, object]) -> None:
 def crash_under_load(hamiload: Path) -> dict[str, object]:
     """SIGKILL the broker under load; systemd restarts it (Restart=on-failure, RestartSec=1s)."""
     original, crashed = os.stat(SOCKET).st_ino, main_pid()
-    systemctl("reset-failed", SERVICE)
+    reset_start_limit()
     report: dict[str, object] = {}
     with continuous_load(hamiload, SOCKET, report, interval_us=INTERVAL_US):
         systemctl("kill", "--signal=KILL", SERVICE)
         wait_for(
-            lambda: main_pid() not in (0, crashed) and systemctl("is-active", SERVICE) == "active",
+            lambda: main_pid() not in (0, crashed) and active(),
             "systemd to restart the broker after SIGKILL", timeout=scaled(60),
         )
         assert ask_pid(SOCKET) == os.getpid()
@@ -149,10 +168,9 @@ def systemd_version() -> int:
 def test_socket_activation_keeps_the_socket_across_restarts_and_a_crash(
     installed: None, hamiload: Path
 ) -> None:
-    # Each test's starts are counted afresh against StartLimitBurst=5 in 60 s.
-    systemctl("reset-failed", SERVICE)
+    reset_start_limit()
     systemctl("start", SOCKET_UNIT, SERVICE)
-    assert systemctl("is-active", SERVICE) == "active", "Type=notify: started means listening"
+    assert active(), "Type=notify: started means listening"
     assert ask_pid(SOCKET) == os.getpid()
     report, pids = restarts_under_load(hamiload, ["restart", SERVICE])
     print(f"socket activation, {RESTARTS} restarts under real systemd: {report}")
@@ -176,23 +194,28 @@ def test_the_descriptor_store_is_used_where_systemd_offers_one(
     installed: None, hamiload: Path
 ) -> None:
     """
-    Without the socket unit (masked: the service's Wants= would start it).
+    Without the socket unit (uninstalled: the service's Wants= would start it).
     systemd 254 and later say the store exists (C{$FDSTORE}): the broker
     stores its listener, and restarts and a crash keep the socket.  Before
     254 nothing says so, and the broker stores nothing (as documented: the
     socket unit is what keeps the socket there); it then removes its socket
     when it stops, as a broker without systemd does.
     """
-    systemctl("mask", "--runtime", SOCKET_UNIT)
+    systemctl("stop", SERVICE, SOCKET_UNIT)
+    # Uninstalled: a runtime mask would not do, since the unit under /etc wins over /run.
+    (UNIT_DIR / SOCKET_UNIT).unlink()
+    systemctl("daemon-reload")
     try:
-        systemctl("reset-failed", SERVICE)
+        reset_start_limit()
         systemctl("start", SERVICE)
         assert ask_pid(SOCKET) == os.getpid()
         if systemd_version() < 254:
             assert stored() == "0"
             assert "listener stored with systemd" not in broker_log(), broker_log()[-4000:]
             systemctl("stop", SERVICE)
-            assert not SOCKET.exists(), "removed by the broker that bound it"
+            assert not SOCKET.exists(), (
+                f"removed by the broker that bound it: {broker_log()[-3000:]}"
+            )
             return
         wait_for(lambda: stored() == "1",
                  "the broker's listener in systemd's descriptor store (FDSTORE=1)")
@@ -205,6 +228,5 @@ def test_the_descriptor_store_is_used_where_systemd_offers_one(
         assert_never_gone(crash)
     finally:
         subprocess.run(["systemctl", "stop", SERVICE], capture_output=True, check=False)
-        subprocess.run(
-            ["systemctl", "unmask", "--runtime", SOCKET_UNIT], capture_output=True, check=False
-        )
+        shutil.copy(UNITS / SOCKET_UNIT, UNIT_DIR / SOCKET_UNIT)
+        systemctl("daemon-reload")
