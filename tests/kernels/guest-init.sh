@@ -6,6 +6,10 @@
 # tests/kernels/vm.py wrote into the job share, writes the results there and
 # powers the machine off.  Nothing it writes reaches the host except through
 # the job share: the overlay's upper layer is guest memory.
+#
+# With INIT=systemd in the job, it hands PID 1 to the host's own systemd
+# instead, which runs the job as a service of its own (this script again,
+# with --job): the tests then drive a real service manager with systemctl.
 JOB=/mnt/hostpid-job
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 export HOME=/root LANG=C.UTF-8
@@ -15,6 +19,27 @@ poweroff() {
     echo o > /proc/sysrq-trigger
     sleep 60
 }
+
+run_job() {
+    cd "$WORKTREE" || poweroff
+    "$PYTHON" tests/kernelfeatures.py > "$JOB/features.json" 2> "$JOB/features.err"
+    cut -d' ' -f1 /proc/uptime > "$JOB/tests-started-at"
+    # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words quoted by vm.py
+    eval "set -- $PYTEST_ARGS"
+    timeout --kill-after=10 "$GUEST_TIMEOUT" env HOSTPID_REQUIRE_PRIVILEGED=1 HOSTPID_KERNEL_MATRIX=0 \
+        PYTHONUNBUFFERED=1 HOSTPID_TIME_SCALE="$TIME_SCALE" \
+        "$PYTHON" -m pytest -p no:cacheprovider --junitxml="$JOB/junit.xml" "$@" \
+        > "$JOB/pytest.log" 2>&1
+    echo $? > "$JOB/pytest.rc"
+    cut -d' ' -f1 /proc/uptime > "$JOB/tests-ended-at"
+}
+
+if [ "$1" = "--job" ]; then
+    # Started by systemd (below): the mounts are in place already.
+    . "$JOB/job.env"
+    run_job
+    poweroff
+fi
 
 mount -t proc proc /proc
 mount -t sysfs sysfs /sys
@@ -42,15 +67,27 @@ uname -r > "$JOB/uname"
 # The host's /tmp/vgpulock as the guest sees it: through the read-only lower
 # layer, shadowed here by the guest's own tmpfs /tmp (absent unless a test
 # makes one).  vm.py compares the host's before and after the run.
-cd "$WORKTREE" || poweroff
-"$PYTHON" tests/kernelfeatures.py > "$JOB/features.json" 2> "$JOB/features.err"
-cut -d' ' -f1 /proc/uptime > "$JOB/tests-started-at"
-# shellcheck disable=SC2086  # PYTEST_ARGS is a list of words quoted by vm.py
-eval "set -- $PYTEST_ARGS"
-timeout --kill-after=10 "$GUEST_TIMEOUT" env HOSTPID_REQUIRE_PRIVILEGED=1 HOSTPID_KERNEL_MATRIX=0 PYTHONUNBUFFERED=1 \
-    HOSTPID_TIME_SCALE="$TIME_SCALE" \
-    "$PYTHON" -m pytest -p no:cacheprovider --junitxml="$JOB/junit.xml" "$@" \
-    > "$JOB/pytest.log" 2>&1
-echo $? > "$JOB/pytest.rc"
-cut -d' ' -f1 /proc/uptime > "$JOB/tests-ended-at"
+if [ "${INIT:-}" = "systemd" ]; then
+    # The host's systemd as PID 1, starting nothing but the job.  What the
+    # tests' units pull in (sysinit.target) must not undo this script's
+    # setup: the host's fstab (which names the host's disks) is emptied in
+    # the overlay, and the boot-time cleaning of /tmp (tmpfiles' "D /tmp"),
+    # which would remove the job's files there, is masked.
+    : > /etc/fstab
+    mkdir -p /run/systemd/system
+    ln -sf /dev/null /run/systemd/system/systemd-tmpfiles-setup.service
+    cat > /run/systemd/system/hostpid-guest-job.service <<UNIT
+[Unit]
+Description=hostpid kernel-matrix job
+DefaultDependencies=no
+
+[Service]
+Type=exec
+ExecStart=/bin/sh $0 --job
+LimitNOFILE=1024:524288
+StandardOutput=journal+console
+UNIT
+    exec /lib/systemd/systemd --unit=hostpid-guest-job.service --log-target=console
+fi
+run_job
 poweroff

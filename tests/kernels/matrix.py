@@ -10,8 +10,12 @@ pytest did not finish), or when the host's C{/tmp/vgpulock} changed.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
+
+import pytest
+from support import REQUIRE_PRIVILEGED, require_root, require_tool
 
 from kernels import debian, vm
 
@@ -29,6 +33,28 @@ SUBSET: tuple[str, ...] = ("-m", "kernel", "-q", "-ra", "--durations=15", "tests
 VM_TIMEOUT = 1080.0
 
 
+SWITCH = os.environ.get("HOSTPID_KERNEL_MATRIX")
+
+
+def wanted() -> None:
+    """
+    Skip a test that boots a guest unless asked for (C{HOSTPID_KERNEL_MATRIX=1},
+    or C{HOSTPID_REQUIRE_PRIVILEGED=1} as in CI); C{HOSTPID_KERNEL_MATRIX=0}
+    (set in every guest) switches guests off, so a guest never boots another.
+    """
+    if SWITCH == "0":
+        pytest.skip("HOSTPID_KERNEL_MATRIX=0: the kernel matrix is switched off")
+    if SWITCH != "1" and not REQUIRE_PRIVILEGED:
+        pytest.skip(
+            "the kernel matrix (~30 min under QEMU) runs with HOSTPID_KERNEL_MATRIX=1 "
+            "or HOSTPID_REQUIRE_PRIVILEGED=1"
+        )
+    require_root()
+    require_tool("qemu-system-x86_64")
+    require_tool("apt-get")
+    require_tool("dpkg-deb")
+
+
 def selected(series: Sequence[str] | None) -> list[debian.Kernel]:
     if not series:
         return list(debian.KERNELS)
@@ -41,10 +67,10 @@ def selected(series: Sequence[str] | None) -> list[debian.Kernel]:
 
 def run_kernel(
     kernel: debian.Kernel, pytest_args: Sequence[str] | None = None,
-    timeout: float = vm.DEFAULT_TIMEOUT,
+    timeout: float = vm.DEFAULT_TIMEOUT, init: str = "script",
 ) -> vm.GuestRun:
     unpacked = debian.obtain(kernel)
-    return vm.run(unpacked, pytest_args or SUBSET, WORKTREE, timeout=timeout)
+    return vm.run(unpacked, pytest_args or SUBSET, WORKTREE, timeout=timeout, init=init)
 
 
 def problem(run: vm.GuestRun) -> str | None:

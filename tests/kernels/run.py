@@ -1,7 +1,7 @@
 """
 Run the kernel matrix (or part of it) by hand:
 
-    .venv/bin/python tests/kernels/run.py [--kernel 6.1 ...] [-- PYTEST ARGS]
+    .venv/bin/python tests/kernels/run.py [--kernel 6.1 ...] [--init systemd] [-- PYTEST ARGS]
 
 Without pytest arguments it runs the kernel-sensitive subset
 (L{kernels.matrix.SUBSET}); it prints each kernel's counts and the guest
@@ -22,11 +22,15 @@ from kernels import matrix  # noqa: E402
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--kernel", action="append", help="a series (5.10, 6.1, ...)")
+    parser.add_argument(
+        "--init", choices=("script", "systemd"), default="script",
+        help="the guest's PID 1: its own script, or the host's systemd (as test_systemd.py)",
+    )
     parser.add_argument("pytest_args", nargs="*")
     options = parser.parse_args()
     failed = False
     for kernel in matrix.selected(options.kernel):
-        run = matrix.run_kernel(kernel, options.pytest_args or None)
+        run = matrix.run_kernel(kernel, options.pytest_args or None, init=options.init)
         matrix.record(kernel, run)
         print(run.summary(), flush=True)
         print(f"  job directory: {run.job}", flush=True)

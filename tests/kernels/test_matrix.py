@@ -13,33 +13,15 @@ A test fails naming the guest tests that failed, or why the VM gave no results.
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
-from support import REQUIRE_PRIVILEGED, require_root, require_tool
 
 from kernels import debian, guest_canary, matrix, vm
-
-SWITCH = os.environ.get("HOSTPID_KERNEL_MATRIX")
-
-
-def _wanted() -> None:
-    if SWITCH == "0":
-        pytest.skip("HOSTPID_KERNEL_MATRIX=0: the kernel matrix is switched off")
-    if SWITCH != "1" and not REQUIRE_PRIVILEGED:
-        pytest.skip(
-            "the kernel matrix (~30 min under QEMU) runs with HOSTPID_KERNEL_MATRIX=1 "
-            "or HOSTPID_REQUIRE_PRIVILEGED=1"
-        )
-    require_root()
-    require_tool("qemu-system-x86_64")
-    require_tool("apt-get")
-    require_tool("dpkg-deb")
 
 
 @pytest.mark.parametrize("kernel", debian.KERNELS, ids=[k.name for k in debian.KERNELS])
 def test_kernel_sensitive_tests_pass_on(kernel: debian.Kernel) -> None:
-    _wanted()
+    matrix.wanted()
     run = matrix.run_kernel(kernel, timeout=matrix.VM_TIMEOUT)
     print(run.summary())
     print(f"job directory: {run.job}")
@@ -59,7 +41,7 @@ def test_guest_writes_never_reach_the_host() -> None:
     C{/tmp/vgpulock} is as it was and the file does not exist here: what a
     guest writes lands in its tmpfs overlay (or its own tmpfs C{/tmp}).
     """
-    _wanted()
+    matrix.wanted()
     assert not guest_canary.CANARY.exists(), f"{guest_canary.CANARY} exists before the run"
     kernel = debian.KERNELS[1]
     run = matrix.run_kernel(

@@ -164,11 +164,16 @@ def run(
     worktree: Path,
     timeout: float = DEFAULT_TIMEOUT,
     cache: Path = CACHE,
+    init: str = "script",
 ) -> GuestRun:
     """
     Boot C{unpacked}, run C{pytest pytest_args} in C{worktree} as root inside,
     and collect the results.  The VM is killed at C{timeout}; the guest's
     own pytest is stopped a little before, so that its results still come back.
+
+    @param init: C{"script"}: the job runs under the guest's own small init
+        (C{guest-init.sh}); C{"systemd"}: under the host's systemd as PID 1,
+        as a service of its own, so that the job can drive real units.
     """
     initrd = cache / "initramfs" / f"{unpacked.root.name}.cpio"
     if not initrd.is_file() or initrd.stat().st_mtime < Path(initramfs.__file__).stat().st_mtime:
@@ -185,6 +190,7 @@ def run(
         f"PYTEST_ARGS={shlex.quote(shlex.join(pytest_args))}\n"
         f"TIME_SCALE={TIME_SCALE}\n"
         f"GUEST_TIMEOUT={max(60, int(timeout) - 60)}\n"
+        f"INIT={shlex.quote(init)}\n"
     )
     lock_parent_before = host_lock_parent_state()
     started = time.monotonic()

@@ -1,0 +1,232 @@
+"""
+The shipped units (deploy/systemd) under a real systemd: run only inside the
+guest that boots the host's systemd as PID 1 (tests/kernels/test_systemd.py
+starts it; its name does not match C{test_*.py}, so no other run collects it).
+
+What the service manager's double (tests/servicemanager.py) plays elsewhere
+is done here by systemd itself: C{hostpid-broker.socket} binds the socket and
+passes it on every start, the broker stores its own listener (C{FDSTORE=1})
+when it bound it, C{systemctl restart} and a crash with C{Restart=on-failure}
+give it back, and C{Type=notify} makes C{systemctl start} return once the
+broker listens.  The units are used as shipped, with one drop-in (below).
+
+Timing is not judged here: the CPU is emulated (8-13x slower), so a start
+takes seconds against a client's 0.5 s deadline.  What is judged is what
+does not depend on speed: no client ever finds the socket gone or refused,
+none gets a wrong PID, the socket's inode never changes, and each restart
+is a new broker process.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from continuity import build_hamiload, continuous_load, no_fallbacks
+from support import REPO, ask_pid, scaled, wait_for
+
+UNITS = REPO / "deploy" / "systemd"
+UNIT_DIR = Path("/etc/systemd/system")
+SERVICE = "hostpid-broker.service"
+SOCKET_UNIT = "hostpid-broker.socket"
+SOCKET = Path("/run/hami/hostpid/broker.sock")
+#: The prefix the unit's ExecStart names: this worktree's environment is put there.
+PREFIX = Path("/opt/hostpid/venv")
+LOG = Path("/run/hostpid-broker.log")
+RESTARTS = 3
+#: A client every 50 ms: the emulated machine forks ten times slower.
+INTERVAL_US = 50_000
+
+#: The one drop-in.  The interpreter of this machine's environments lives
+#: under /root, which the unit's ProtectHome=yes makes inaccessible; and the
+#: guest runs no journald, so the broker's output goes to a file the tests read.
+DROP_IN = """\
+[Service]
+ProtectHome=read-only
+StandardOutput=append:/run/hostpid-broker.log
+StandardError=inherit
+"""
+
+
+def systemctl(*args: str) -> str:
+    done = subprocess.run(
+        ["systemctl", *args], capture_output=True, text=True, timeout=scaled(30), check=False
+    )
+    assert done.returncode == 0, f"systemctl {' '.join(args)}: {done.stderr.strip()}"
+    return done.stdout.strip()
+
+
+def reset_start_limit() -> None:
+    """
+    Count the service's starts afresh against StartLimitBurst=5 in 60 s
+    (C{reset-failed} also resets that count; it fails on a unit not loaded
+    yet, which has no count to reset).
+    """
+    subprocess.run(["systemctl", "reset-failed", SERVICE], capture_output=True, check=False)
+
+
+def active() -> bool:
+    """Whether the service is active (not activating, deactivating or failed)."""
+    done = subprocess.run(
+        ["systemctl", "is-active", SERVICE], capture_output=True, text=True,
+        timeout=scaled(30), check=False,
+    )
+    return done.stdout.strip() == "active"
+
+
+def main_pid() -> int:
+    return int(systemctl("show", "--property=MainPID", "--value", SERVICE))
+
+
+def broker_log() -> str:
+    try:
+        return LOG.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+@pytest.fixture(scope="module")
+def hamiload(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_hamiload(tmp_path_factory.mktemp("hamiload"))
+
+
+@pytest.fixture(scope="module")
+def installed() -> Iterator[None]:
+    """The units installed as the operations guide says, and daemon-reloaded."""
+    assert Path("/proc/1/comm").read_text().strip() == "systemd", "PID 1 must be systemd"
+    PREFIX.parent.mkdir(parents=True, exist_ok=True)
+    if not PREFIX.exists():
+        PREFIX.symlink_to(Path(sys.prefix))
+    # Twisted's plugin cache, written once as root before the read-only service runs.
+    subprocess.run([str(PREFIX / "bin" / "twistd"), "--help"], capture_output=True, check=True)
+    for unit in (SERVICE, SOCKET_UNIT):
+        shutil.copy(UNITS / unit, UNIT_DIR / unit)
+    drop_ins = UNIT_DIR / f"{SERVICE}.d"
+    drop_ins.mkdir(exist_ok=True)
+    (drop_ins / "guest.conf").write_text(DROP_IN)
+    systemctl("daemon-reload")
+    yield
+    subprocess.run(["systemctl", "stop", SERVICE, SOCKET_UNIT], capture_output=True, check=False)
+
+
+def restarts_under_load(
+    hamiload: Path, restart: list[str], times: int = RESTARTS
+) -> tuple[dict[str, object], list[int]]:
+    """C{systemctl restart} (or C{restart} as given) C{times} under load; the report and PIDs."""
+    original = os.stat(SOCKET).st_ino
+    pids = [main_pid()]
+    report: dict[str, object] = {}
+    with continuous_load(hamiload, SOCKET, report, interval_us=INTERVAL_US):
+        for _ in range(times):
+            systemctl(*restart)
+            assert active()
+            pids.append(main_pid())
+            assert os.stat(SOCKET).st_ino == original, "the same socket throughout"
+    assert ask_pid(SOCKET) == os.getpid()
+    return report, pids
+
+
+def assert_never_gone(report: dict[str, object]) -> None:
+    by_reason = report["by_reason"]
+    assert isinstance(by_reason, dict)
+    assert report["wrong"] == 0, no_fallbacks(report)
+    assert by_reason.get("ENOENT", 0) == 0, no_fallbacks(report)
+    assert by_reason.get("ECONNREFUSED", 0) == 0, no_fallbacks(report)
+
+
+def crash_under_load(hamiload: Path) -> dict[str, object]:
+    """SIGKILL the broker under load; systemd restarts it (Restart=on-failure, RestartSec=1s)."""
+    original, crashed = os.stat(SOCKET).st_ino, main_pid()
+    reset_start_limit()
+    report: dict[str, object] = {}
+    with continuous_load(hamiload, SOCKET, report, interval_us=INTERVAL_US):
+        systemctl("kill", "--signal=KILL", SERVICE)
+        wait_for(
+            lambda: main_pid() not in (0, crashed) and active(),
+            "systemd to restart the broker after SIGKILL", timeout=scaled(60),
+        )
+        assert ask_pid(SOCKET) == os.getpid()
+    assert os.stat(SOCKET).st_ino == original, "the same socket after the crash"
+    return report
+
+
+def stored() -> str:
+    """How many descriptors systemd holds in the service's store."""
+    return systemctl("show", "--property=NFileDescriptorStore", "--value", SERVICE)
+
+
+def systemd_version() -> int:
+    """The running systemd's version (C{systemctl --version}: C{systemd 252 (...)})."""
+    return int(systemctl("--version").split()[1])
+
+
+def test_socket_activation_keeps_the_socket_across_restarts_and_a_crash(
+    installed: None, hamiload: Path
+) -> None:
+    reset_start_limit()
+    systemctl("start", SOCKET_UNIT, SERVICE)
+    assert active(), "Type=notify: started means listening"
+    assert ask_pid(SOCKET) == os.getpid()
+    report, pids = restarts_under_load(hamiload, ["restart", SERVICE])
+    print(f"socket activation, {RESTARTS} restarts under real systemd: {report}")
+    assert len(set(pids)) == RESTARTS + 1, f"a new broker each time: {pids}"
+    assert_never_gone(report)
+    crash = crash_under_load(hamiload)
+    print(f"socket activation, SIGKILL and Restart=on-failure under real systemd: {crash}")
+    assert_never_gone(crash)
+    log = broker_log()
+    assert log.count("listener passed by systemd") == RESTARTS + 2, log[-4000:]
+    assert "told systemd READY=1" in log, log[-4000:]
+    systemctl("stop", SERVICE)
+    assert systemctl("show", "--property=Result", "--value", SERVICE) == "success", (
+        "SIGTERM's status 143 is a clean stop (SuccessExitStatus=143)"
+    )
+    systemctl("stop", SOCKET_UNIT)
+    assert not SOCKET.exists(), "RemoveOnStop=yes: the socket unit removes what it bound"
+
+
+def test_the_descriptor_store_is_used_where_systemd_offers_one(
+    installed: None, hamiload: Path
+) -> None:
+    """
+    Without the socket unit (uninstalled: the service's Wants= would start it).
+    systemd 254 and later say the store exists (C{$FDSTORE}): the broker
+    stores its listener, and restarts and a crash keep the socket.  Before
+    254 nothing says so, and the broker stores nothing (as documented: the
+    socket unit is what keeps the socket there); it then removes its socket
+    when it stops, as a broker without systemd does.
+    """
+    systemctl("stop", SERVICE, SOCKET_UNIT)
+    # Uninstalled: a runtime mask would not do, since the unit under /etc wins over /run.
+    (UNIT_DIR / SOCKET_UNIT).unlink()
+    systemctl("daemon-reload")
+    try:
+        reset_start_limit()
+        systemctl("start", SERVICE)
+        assert ask_pid(SOCKET) == os.getpid()
+        if systemd_version() < 254:
+            assert stored() == "0"
+            assert "listener stored with systemd" not in broker_log(), broker_log()[-4000:]
+            systemctl("stop", SERVICE)
+            assert not SOCKET.exists(), (
+                f"removed by the broker that bound it: {broker_log()[-3000:]}"
+            )
+            return
+        wait_for(lambda: stored() == "1",
+                 "the broker's listener in systemd's descriptor store (FDSTORE=1)")
+        report, pids = restarts_under_load(hamiload, ["restart", SERVICE])
+        print(f"descriptor store, {RESTARTS} restarts under real systemd: {report}")
+        assert len(set(pids)) == RESTARTS + 1, f"a new broker each time: {pids}"
+        assert_never_gone(report)
+        crash = crash_under_load(hamiload)
+        print(f"descriptor store, SIGKILL and Restart=on-failure under real systemd: {crash}")
+        assert_never_gone(crash)
+    finally:
+        subprocess.run(["systemctl", "stop", SERVICE], capture_output=True, check=False)
+        shutil.copy(UNITS / SOCKET_UNIT, UNIT_DIR / SOCKET_UNIT)
+        systemctl("daemon-reload")

@@ -1,0 +1,37 @@
+"""
+The shipped systemd units under the host's real systemd, booted as PID 1 in
+a kernel-matrix guest (C{init="systemd"}): the guest runs
+tests/kernels/systemd_units.py, which installs deploy/systemd as the
+operations guide does and restarts the broker with C{systemctl} under
+continuous HAMi-core-like load, with socket activation and with the
+descriptor store alone, and once by SIGKILL and C{Restart=on-failure}.
+
+One guest, on the 6.12 kernel (any would do: what is tested is systemd's
+side and the units); it runs with the kernel matrix (see L{matrix.wanted}).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kernels import debian, matrix
+
+#: The guest's tests (see systemd_units.py).
+GUEST_TESTS = ("-q", "-ra", "-s", "tests/kernels/systemd_units.py")
+#: How many of them must pass.
+EXPECTED = 2
+#: Boot, systemd's own start and four broker starts a test, all emulated.
+TIMEOUT = 900.0
+
+
+@pytest.mark.parametrize("kernel", [k for k in debian.KERNELS if k.series == "6.12"],
+                         ids=lambda k: k.name)
+def test_the_shipped_units_under_real_systemd(kernel: debian.Kernel) -> None:
+    matrix.wanted()
+    run = matrix.run_kernel(kernel, GUEST_TESTS, timeout=TIMEOUT, init="systemd")
+    print(run.summary())
+    print(f"job directory: {run.job}")
+    print(run.pytest_log()[-3000:])
+    problem = matrix.problem(run)
+    assert problem is None, f"{kernel.name} under systemd ({run.package}): {problem}"
+    assert run.count("passed") == EXPECTED, run.summary()
