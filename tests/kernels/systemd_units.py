@@ -160,6 +160,20 @@ def stored() -> str:
     return systemctl("show", "--property=NFileDescriptorStore", "--value", SERVICE)
 
 
+def restarts_and_a_crash(hamiload: Path, how: str) -> None:
+    """
+    L{RESTARTS} restarts, then a crash, under load: each a new broker, and
+    no client finds the socket gone or refused or gets a wrong PID.
+    """
+    report, pids = restarts_under_load(hamiload, ["restart", SERVICE])
+    print(f"{how}, {RESTARTS} restarts under real systemd: {report}")
+    assert len(set(pids)) == RESTARTS + 1, f"a new broker each time: {pids}"
+    assert_never_gone(report)
+    crash = crash_under_load(hamiload)
+    print(f"{how}, SIGKILL and Restart=on-failure under real systemd: {crash}")
+    assert_never_gone(crash)
+
+
 def systemd_version() -> int:
     """The running systemd's version (C{systemctl --version}: C{systemd 252 (...)})."""
     return int(systemctl("--version").split()[1])
@@ -172,13 +186,7 @@ def test_socket_activation_keeps_the_socket_across_restarts_and_a_crash(
     systemctl("start", SOCKET_UNIT, SERVICE)
     assert active(), "Type=notify: started means listening"
     assert ask_pid(SOCKET) == os.getpid()
-    report, pids = restarts_under_load(hamiload, ["restart", SERVICE])
-    print(f"socket activation, {RESTARTS} restarts under real systemd: {report}")
-    assert len(set(pids)) == RESTARTS + 1, f"a new broker each time: {pids}"
-    assert_never_gone(report)
-    crash = crash_under_load(hamiload)
-    print(f"socket activation, SIGKILL and Restart=on-failure under real systemd: {crash}")
-    assert_never_gone(crash)
+    restarts_and_a_crash(hamiload, "socket activation")
     log = broker_log()
     assert log.count("listener passed by systemd") == RESTARTS + 2, log[-4000:]
     assert "told systemd READY=1" in log, log[-4000:]
@@ -219,13 +227,7 @@ def test_the_descriptor_store_is_used_where_systemd_offers_one(
             return
         wait_for(lambda: stored() == "1",
                  "the broker's listener in systemd's descriptor store (FDSTORE=1)")
-        report, pids = restarts_under_load(hamiload, ["restart", SERVICE])
-        print(f"descriptor store, {RESTARTS} restarts under real systemd: {report}")
-        assert len(set(pids)) == RESTARTS + 1, f"a new broker each time: {pids}"
-        assert_never_gone(report)
-        crash = crash_under_load(hamiload)
-        print(f"descriptor store, SIGKILL and Restart=on-failure under real systemd: {crash}")
-        assert_never_gone(crash)
+        restarts_and_a_crash(hamiload, "descriptor store")
     finally:
         subprocess.run(["systemctl", "stop", SERVICE], capture_output=True, check=False)
         shutil.copy(UNITS / SOCKET_UNIT, UNIT_DIR / SOCKET_UNIT)
