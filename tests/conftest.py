@@ -142,6 +142,14 @@ def public_tmp() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture(scope="session")
+def hamiload(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The HAMi-core-like load generator (tests/c/hamiload.c), compiled once."""
+    from continuity import build_hamiload
+
+    return build_hamiload(tmp_path_factory.mktemp("hamiload"))
+
+
 @pytest.fixture
 def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
     """A connected pair of real Unix stream sockets; the peer is this process."""

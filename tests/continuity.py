@@ -66,3 +66,12 @@ def continuous_load(
 def no_fallbacks(report: dict[str, object]) -> str:
     """The report, as an assertion message names it."""
     return ", ".join(f"{key} {value}" for key, value in report.items()) + f" (pid {os.getpid()})"
+
+
+def assert_never_gone(report: dict[str, object]) -> None:
+    """No client found the socket gone or refused, and none got a wrong PID."""
+    by_reason = report["by_reason"]
+    assert isinstance(by_reason, dict)
+    assert report["wrong"] == 0, no_fallbacks(report)
+    assert by_reason.get("ENOENT", 0) == 0, no_fallbacks(report)
+    assert by_reason.get("ECONNREFUSED", 0) == 0, no_fallbacks(report)

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from continuity import build_hamiload, continuous_load, no_fallbacks
+from continuity import continuous_load, no_fallbacks
 from support import (
     REPO,
     WAIT_SECONDS,
@@ -33,11 +33,6 @@ from support import (
 from hostpid.broker.service import RECEIVE_DESCRIPTORS_ENV
 
 HANDOVERS = 20
-
-
-@pytest.fixture(scope="module")
-def hamiload(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_hamiload(tmp_path_factory.mktemp("hamiload"))
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from continuity import build_hamiload, continuous_load, no_fallbacks
+from continuity import assert_never_gone, continuous_load
 from support import REPO, ask_pid, scaled, wait_for
 
 UNITS = REPO / "deploy" / "systemd"
@@ -53,10 +53,16 @@ StandardError=inherit
 """
 
 
-def systemctl(*args: str) -> str:
-    done = subprocess.run(
+def run_systemctl(*args: str) -> subprocess.CompletedProcess[str]:
+    """C{systemctl ARGS}, whatever its status."""
+    return subprocess.run(
         ["systemctl", *args], capture_output=True, text=True, timeout=scaled(30), check=False
     )
+
+
+def systemctl(*args: str) -> str:
+    """C{systemctl ARGS}, which must succeed; its output."""
+    done = run_systemctl(*args)
     assert done.returncode == 0, f"systemctl {' '.join(args)}: {done.stderr.strip()}"
     return done.stdout.strip()
 
@@ -67,16 +73,12 @@ def reset_start_limit() -> None:
     (C{reset-failed} also resets that count; it fails on a unit not loaded
     yet, which has no count to reset).
     """
-    subprocess.run(["systemctl", "reset-failed", SERVICE], capture_output=True, check=False)
+    run_systemctl("reset-failed", SERVICE)
 
 
 def active() -> bool:
     """Whether the service is active (not activating, deactivating or failed)."""
-    done = subprocess.run(
-        ["systemctl", "is-active", SERVICE], capture_output=True, text=True,
-        timeout=scaled(30), check=False,
-    )
-    return done.stdout.strip() == "active"
+    return run_systemctl("is-active", SERVICE).stdout.strip() == "active"
 
 
 def main_pid() -> int:
@@ -88,11 +90,6 @@ def broker_log() -> str:
         return LOG.read_text(errors="replace")
     except FileNotFoundError:
         return ""
-
-
-@pytest.fixture(scope="module")
-def hamiload(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_hamiload(tmp_path_factory.mktemp("hamiload"))
 
 
 @pytest.fixture(scope="module")
@@ -111,32 +108,22 @@ def installed() -> Iterator[None]:
     (drop_ins / "guest.conf").write_text(DROP_IN)
     systemctl("daemon-reload")
     yield
-    subprocess.run(["systemctl", "stop", SERVICE, SOCKET_UNIT], capture_output=True, check=False)
+    run_systemctl("stop", SERVICE, SOCKET_UNIT)
 
 
-def restarts_under_load(
-    hamiload: Path, restart: list[str], times: int = RESTARTS
-) -> tuple[dict[str, object], list[int]]:
-    """C{systemctl restart} (or C{restart} as given) C{times} under load; the report and PIDs."""
+def restarts_under_load(hamiload: Path) -> tuple[dict[str, object], list[int]]:
+    """L{RESTARTS} times C{systemctl restart} under load; the report and the brokers' PIDs."""
     original = os.stat(SOCKET).st_ino
     pids = [main_pid()]
     report: dict[str, object] = {}
     with continuous_load(hamiload, SOCKET, report, interval_us=INTERVAL_US):
-        for _ in range(times):
-            systemctl(*restart)
+        for _ in range(RESTARTS):
+            systemctl("restart", SERVICE)
             assert active()
             pids.append(main_pid())
             assert os.stat(SOCKET).st_ino == original, "the same socket throughout"
     assert ask_pid(SOCKET) == os.getpid()
     return report, pids
-
-
-def assert_never_gone(report: dict[str, object]) -> None:
-    by_reason = report["by_reason"]
-    assert isinstance(by_reason, dict)
-    assert report["wrong"] == 0, no_fallbacks(report)
-    assert by_reason.get("ENOENT", 0) == 0, no_fallbacks(report)
-    assert by_reason.get("ECONNREFUSED", 0) == 0, no_fallbacks(report)
 
 
 def crash_under_load(hamiload: Path) -> dict[str, object]:
@@ -165,7 +152,7 @@ def restarts_and_a_crash(hamiload: Path, how: str) -> None:
     L{RESTARTS} restarts, then a crash, under load: each a new broker, and
     no client finds the socket gone or refused or gets a wrong PID.
     """
-    report, pids = restarts_under_load(hamiload, ["restart", SERVICE])
+    report, pids = restarts_under_load(hamiload)
     print(f"{how}, {RESTARTS} restarts under real systemd: {report}")
     assert len(set(pids)) == RESTARTS + 1, f"a new broker each time: {pids}"
     assert_never_gone(report)
@@ -229,6 +216,6 @@ def test_the_descriptor_store_is_used_where_systemd_offers_one(
                  "the broker's listener in systemd's descriptor store (FDSTORE=1)")
         restarts_and_a_crash(hamiload, "descriptor store")
     finally:
-        subprocess.run(["systemctl", "stop", SERVICE], capture_output=True, check=False)
+        run_systemctl("stop", SERVICE)
         shutil.copy(UNITS / SOCKET_UNIT, UNIT_DIR / SOCKET_UNIT)
         systemctl("daemon-reload")
