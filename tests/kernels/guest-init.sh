@@ -74,6 +74,14 @@ if [ "${INIT:-}" = "systemd" ]; then
     # the overlay, and the boot-time cleaning of /tmp (tmpfiles' "D /tmp"),
     # which would remove the job's files there, is masked.
     : > /etc/fstab
+    # No generator either: the guest has no disks, swap, consoles or init
+    # scripts to make units for, and each daemon-reload runs them all under
+    # emulation (one, probing for GPT partitions, once crashed the emulated
+    # kernel).  A generator linked to /dev/null under /etc is disabled.
+    mkdir -p /etc/systemd/system-generators
+    for generator in /lib/systemd/system-generators/*; do
+        ln -sf /dev/null "/etc/systemd/system-generators/${generator##*/}"
+    done
     mkdir -p /run/systemd/system
     ln -sf /dev/null /run/systemd/system/systemd-tmpfiles-setup.service
     cat > /run/systemd/system/hostpid-guest-job.service <<UNIT
