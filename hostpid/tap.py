@@ -18,6 +18,7 @@ from twisted.python.components import Componentized
 from hostpid import defaults, logs
 from hostpid.broker.fsrules import BrokerStartupError
 from hostpid.broker.refusal import RefuseInOneLine, refuse_in_one_line
+from hostpid.broker.reload import Reloader
 from hostpid.broker.sdnotify import ReadinessNotifier
 from hostpid.broker.service import BrokerService
 
@@ -234,5 +235,7 @@ def _makeService(options: Options | dict[str, Any]) -> IService:
         endpoint = getattr(options, "metricsEndpoint", None) or parse_metrics_endpoint(description)
         MetricsEndpointService(description, endpoint, metrics_site(broker)).setServiceParent(top)
     broker.setServiceParent(top)
-    ReadinessNotifier().setServiceParent(top)
+    notifier = ReadinessNotifier(ready=broker.whenSettled)
+    notifier.setServiceParent(top)
+    Reloader(broker, notifier).setServiceParent(top)
     return top

@@ -5,16 +5,21 @@ C{LISTEN_FDS}/C{LISTEN_PID}/C{LISTEN_FDNAMES} from descriptor 3 on, listens
 on a C{NOTIFY_SOCKET} datagram socket for C{READY=1} and for C{FDSTORE=1}
 (with the descriptor in C{SCM_RIGHTS}), and passes what it stored back on
 the next start, as systemd does for C{systemctl restart} and C{Restart=}.
-Written from sd_listen_fds(3) and sd_notify(3).
+As systemd does for C{NotifyAccess=main}, it takes notifications from the
+service's main process only (the sender's PID from C{SO_PASSCRED}) and
+follows C{MAINPID=}.  Written from sd_listen_fds(3), sd_notify(3) and
+systemd.exec(5).
 """
 
 from __future__ import annotations
 
+import array
 import fcntl
 import os
 import socket
 import stat
-from collections.abc import Callable
+import struct
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from support import BrokerProcess, subprocess_env
@@ -45,13 +50,21 @@ class ServiceManager:
         self.notify_path = runtime / "notify"
         self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.notify.bind(str(self.notify_path))
+        self.notify.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         self.notify.setblocking(False)
         #: (descriptor, name) the service stored, in order.
         self.store: list[tuple[int, str]] = []
         self.messages: list[str] = []
+        #: The service's main process, as the last start or C{MAINPID=} set it.
+        self.main_pid: int | None = None
+        #: (sender PID, message) taken, in order.
+        self.taken: list[tuple[int, str]] = []
+        #: (sender PID, message) ignored: not from the main process.
+        self.rejected: list[tuple[int, str]] = []
 
     def start(
-        self, passed: list[tuple[int, str]], env: dict[str, str] | None = None
+        self, passed: list[tuple[int, str]], env: dict[str, str] | None = None,
+        args: Sequence[str] = (),
     ) -> BrokerProcess:
         """Start the broker with C{passed} as descriptors 3, 4, ..."""
         extra = {
@@ -63,21 +76,34 @@ class ServiceManager:
             extra["LISTEN_FDS"] = str(len(passed))
             extra["LISTEN_FDNAMES"] = ":".join(name for _, name in passed)
         sources = [fd for fd, _ in passed]
-        return BrokerProcess(
-            self.directory, env=subprocess_env(extra), argv_prefix=LISTEN_PID_SHELL,
+        broker = BrokerProcess(
+            self.directory, args, env=subprocess_env(extra), argv_prefix=LISTEN_PID_SHELL,
             preexec_fn=_place(sources), pass_fds=range(3, 3 + len(sources)),
         )
+        self.main_pid = broker.pid
+        return broker
 
     def collect(self) -> None:
-        """Read every notification waiting; keep what is stored (once per socket)."""
+        """
+        Read every notification waiting: from the main process, keep what is
+        stored (once per socket) and follow C{MAINPID=}; ignore the rest.
+        """
         while True:
             try:
-                data, fds, _, _ = socket.recv_fds(self.notify, 4096, 8)
+                data, fds, sender = _receive(self.notify)
             except BlockingIOError:
                 return
             text = data.decode()
             self.messages.append(text)
+            if self.main_pid is not None and sender != self.main_pid:
+                self.rejected.append((sender, text))
+                for fd in fds:
+                    os.close(fd)
+                continue
+            self.taken.append((sender, text))
             fields = dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+            if "MAINPID" in fields:
+                self.main_pid = int(fields["MAINPID"])
             if fields.get("FDSTORE") == "1":
                 for fd in fds:
                     self._keep(fd, fields.get("FDNAME", "stored"))
@@ -102,6 +128,23 @@ class ServiceManager:
         for fd, _ in self.store:
             os.close(fd)
         self.store.clear()
+
+
+def _receive(sock: socket.socket) -> tuple[bytes, list[int], int]:
+    """One notification: its text, the descriptors it carries, its sender's PID."""
+    ucred = struct.Struct("iII")
+    data, ancillary, _, _ = sock.recvmsg(
+        4096, socket.CMSG_SPACE(8 * 4) + socket.CMSG_SPACE(ucred.size)
+    )
+    fds: list[int] = []
+    sender = 0
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            usable = len(payload) - len(payload) % 4
+            fds.extend(array.array("i", payload[:usable]))
+        elif level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+            sender = ucred.unpack(payload[: ucred.size])[0]
+    return data, fds, sender
 
 
 def _socket_inode(fd: int) -> int:

@@ -647,9 +647,12 @@ class _Session:
         self._stopReading()
         control.session = None
         control.close()
+        # The service stops accepting (and passes systemd the main PID, on a
+        # reload) before the new broker hears RELEASED: what RELEASED says
+        # is then already true.
+        control.handedOver(self.pid)
         self._send(Message(Kind.RELEASED))
         self.sock.close()
-        control.handedOver(self.pid)
 
     def _send(self, message: Message) -> None:
         try:

@@ -9,11 +9,14 @@ need not wait for.
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 from twisted.application.internet import StreamServerEndpointService
-from twisted.internet import endpoints
-from twisted.internet.interfaces import IProtocolFactory, IStreamServerEndpoint
+from twisted.internet import endpoints, tcp
+from twisted.internet.defer import Deferred, execute
+from twisted.internet.interfaces import IListeningPort, IProtocolFactory, IStreamServerEndpoint
+from zope.interface import implementer
 
 from hostpid.broker.fsrules import BrokerStartupError
 
@@ -48,6 +51,54 @@ def parse_metrics_endpoint(description: str, reactor: Any = None) -> IStreamServ
         ) from None
 
 
+class _SharedPort(tcp.Port):
+    """A TCP port bound with C{SO_REUSEPORT}."""
+
+    def createInternetSocket(self) -> socket.socket:
+        sock = super().createInternetSocket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        return sock
+
+
+@implementer(IStreamServerEndpoint)
+class SharedTCPEndpoint:
+    """
+    A C{tcp:}/C{tcp6:} endpoint whose port a newer broker can bind while
+    this one still listens (C{SO_REUSEPORT}; Linux lets only sockets of the
+    same effective UID, root here, share it).  A reload starts the new
+    broker, its metrics server first, while the old one serves: without
+    this, the new one's listen would fail with C{EADDRINUSE} and the reload
+    with it.  A port held by any other program still fails the listen.
+
+    It reads the port, backlog and interface Twisted's
+    C{_TCPServerEndpoint} keeps (C{twisted/internet/endpoints.py}) and
+    listens as C{PosixReactorBase.listenTCP} does, with the option set.
+    """
+
+    def __init__(self, endpoint: Any) -> None:
+        self.endpoint = endpoint
+
+    def listen(self, protocolFactory: IProtocolFactory) -> Deferred[IListeningPort]:
+        endpoint = self.endpoint
+
+        def listen() -> IListeningPort:
+            port = _SharedPort(
+                endpoint._port, protocolFactory, endpoint._backlog, endpoint._interface,
+                endpoint._reactor,
+            )
+            port.startListening()
+            return port
+
+        return execute(listen)
+
+
+def shared(endpoint: IStreamServerEndpoint) -> IStreamServerEndpoint:
+    """C{endpoint}, as a L{SharedTCPEndpoint} if it is TCP (others as they are)."""
+    if isinstance(endpoint, (endpoints.TCP4ServerEndpoint, endpoints.TCP6ServerEndpoint)):
+        return SharedTCPEndpoint(endpoint)
+    return endpoint
+
+
 class MetricsEndpointService(StreamServerEndpointService):
     """
     The metrics server's listening service.  A failed listen raises at once
@@ -62,7 +113,7 @@ class MetricsEndpointService(StreamServerEndpointService):
     def __init__(
         self, description: str, endpoint: IStreamServerEndpoint, factory: IProtocolFactory
     ) -> None:
-        super().__init__(endpoint, factory)
+        super().__init__(shared(endpoint), factory)
         self.description = description
 
     def privilegedStartService(self) -> None:

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from twisted.application.service import Service
+from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 
 NOTIFY_SOCKET = "NOTIFY_SOCKET"
@@ -47,32 +48,56 @@ class ReadinessNotifier(Service):
 
     C{READY=1} waits until the reactor runs: twistd starts services before
     the reactor installs its signal handlers, and a SIGTERM in between would
-    kill the process without a clean stop.
+    kill the process without a clean stop.  It also waits for C{ready}, if
+    given: a broker that takes over from another is systemd's main process
+    only once the other has passed it the main PID (L{passMainPid}), and
+    systemd ignores (and logs) a notification from any other process of a
+    C{NotifyAccess=main} unit.
     """
 
     log = Logger()
 
-    def __init__(self, environ: Mapping[str, str] | None = None, reactor: Any = None) -> None:
+    def __init__(
+        self,
+        environ: Mapping[str, str] | None = None,
+        reactor: Any = None,
+        ready: Callable[[], Deferred[None]] | None = None,
+    ) -> None:
         if reactor is None:
             from twisted.internet import reactor as _reactor
 
             reactor = _reactor
         self.environ = environ
         self.reactor = reactor
+        self.ready = ready
+        #: Set once this process passed the main PID on: it is no longer the
+        #: service's, and its own stop is not the service's either.
+        self.mainPidPassed = False
 
-    def _send(self, message: str) -> None:
+    def _send(self, message: str) -> bool:
         try:
             if notify(message, self.environ):
                 self.log.info("hostpid-broker: told systemd {message}", message=message)
+                return True
         except OSError as e:
             self.log.warn(
                 "hostpid-broker: cannot notify systemd ({error})", error=e.strerror
             )
+        return False
 
     def startService(self) -> None:
         super().startService()
-        self.reactor.callWhenRunning(self._send, "READY=1")
+        self.reactor.callWhenRunning(self._whenReady)
+
+    def _whenReady(self) -> None:
+        ready = succeed(None) if self.ready is None else self.ready()
+        ready.addCallback(lambda _: self._send("READY=1") if self.running else None)
+
+    def passMainPid(self, pid: int) -> None:
+        """Tell systemd that C{pid} is the service's main process from now on."""
+        self.mainPidPassed = self._send(f"MAINPID={pid}")
 
     def stopService(self) -> None:
         super().stopService()
-        self._send("STOPPING=1")
+        if not self.mainPidPassed:
+            self._send("STOPPING=1")

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from twisted.application.service import Service
-from twisted.internet.defer import Deferred, maybeDeferred
+from twisted.internet.defer import Deferred, maybeDeferred, succeed
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -270,6 +270,11 @@ class BrokerService(Service):
         self.control: handover.ControlListener | None = None
         #: Set once this broker handed its listener to another.
         self.handedOver = False
+        #: Called with the new broker's PID as this one hands over, before
+        #: the new one hears that it did (L{hostpid.broker.reload}).
+        self.handOverObservers: list[Callable[[int], None]] = []
+        #: Waiting for a takeover to settle (L{whenSettled}).
+        self._settling: list[Deferred[None]] = []
         #: Whether systemd holds the listener too (passed by socket
         #: activation or the descriptor store, or stored): then it outlives
         #: this process, and the path is left in place at stop.
@@ -398,7 +403,10 @@ class BrokerService(Service):
             else passed[1] if passed is not None else None,
         )
         self.port.startListening()
-        self._storeListener(stored=passed is not None)
+        # A listener taken over is the one the old broker stored already
+        # (systemd keeps one copy of a socket), and only the main process
+        # may store: this one is not yet.
+        self._storeListener(stored=passed is not None or takeover is not None)
         if self.port.descriptorMode is DescriptorMode.REFUSED:
             self.log.info(
                 "hostpid-broker: descriptor passing refused by the kernel (SO_PASSRIGHTS=0): "
@@ -555,9 +563,27 @@ class BrokerService(Service):
         )
         return takeover
 
+    def whenSettled(self) -> Deferred[None]:
+        """
+        Fires once this broker's serving is its own: at once, or, while it
+        takes over from a running broker, when that one has said it stopped
+        accepting (or the handover ended otherwise).
+        """
+        if self._takeover is None:
+            return succeed(None)
+        settled: Deferred[None] = Deferred()
+        self._settling.append(settled)
+        return settled
+
+    def _settled(self) -> None:
+        settling, self._settling = self._settling, []
+        for settled in settling:
+            settled.callback(None)
+
     def _completeTakeover(self, expectedUid: int) -> None:
         takeover, self._takeover = self._takeover, None
         if takeover is None:
+            self._settled()
             return
 
         def done(problem: str | None) -> None:
@@ -572,6 +598,7 @@ class BrokerService(Service):
                 )
             if self.running and not self.failed:
                 self._openControl(expectedUid)
+            self._settled()
 
         handover.complete(takeover, self.reactor, done)
 
@@ -612,6 +639,8 @@ class BrokerService(Service):
             "hostpid-broker: handed over to PID {pid}: it accepts on the socket now; "
             "answering what this broker accepted, then exiting", pid=pid,
         )
+        for observer in self.handOverObservers:
+            observer(pid)
         self.onHandedOver()
 
     def _logClosesBounded(self) -> None:
@@ -761,6 +790,7 @@ class BrokerService(Service):
         if self._takeover is not None:
             self._takeover.connection.close()
             self._takeover = None
+        self._settled()
         port, factory = self.port, self.factory
         if port is None or factory is None:
             self._release()

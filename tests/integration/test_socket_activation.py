@@ -69,6 +69,8 @@ def restart_under_load(
             assert "listener passed by systemd" in new.output(), new.output()
             assert os.stat(socket_path).st_ino == original, "the same socket throughout"
     assert ask_pid(socket_path) == os.getpid()
+    manager.collect()
+    assert manager.rejected == [], "systemd takes notifications from the main process only"
     return report
 
 

@@ -7,7 +7,8 @@ What the service manager's double (tests/servicemanager.py) plays elsewhere
 is done here by systemd itself: C{hostpid-broker.socket} binds the socket and
 passes it on every start, the broker stores its own listener (C{FDSTORE=1})
 when it bound it, C{systemctl restart} and a crash with C{Restart=on-failure}
-give it back, and C{Type=notify} makes C{systemctl start} return once the
+give it back, C{systemctl reload} hands it over to a new broker and follows
+C{MAINPID=}, and C{Type=notify} makes C{systemctl start} return once the
 broker listens.  The units are used as shipped, with one drop-in (below).
 
 Timing is not judged here: the CPU is emulated (8-13x slower), so a start
@@ -39,6 +40,7 @@ SOCKET = Path("/run/hami/hostpid/broker.sock")
 PREFIX = Path("/opt/hostpid/venv")
 LOG = Path("/run/hostpid-broker.log")
 RESTARTS = 3
+RELOADS = 3
 #: A client every 50 ms: the emulated machine forks ten times slower.
 INTERVAL_US = 50_000
 
@@ -183,6 +185,53 @@ def test_socket_activation_keeps_the_socket_across_restarts_and_a_crash(
     )
     systemctl("stop", SOCKET_UNIT)
     assert not SOCKET.exists(), "RemoveOnStop=yes: the socket unit removes what it bound"
+
+
+def kernel_log() -> str:
+    """What systemd logged: with no journald it writes to the kernel's log."""
+    return subprocess.run(["dmesg"], capture_output=True, text=True, check=True).stdout
+
+
+def reload_once(old: int) -> int:
+    """C{systemctl reload}; the new main PID, once the old broker has exited."""
+    systemctl("reload", SERVICE)
+    try:
+        wait_for(lambda: main_pid() not in (0, old), "systemd to follow MAINPID=",
+                 timeout=scaled(20))
+        wait_for(lambda: not Path(f"/proc/{old}").exists(), f"PID {old} to exit",
+                 timeout=scaled(20))
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{broker_log()[-4000:]}") from None
+    assert active(), broker_log()[-4000:]
+    return main_pid()
+
+
+def test_reload_hands_over_without_a_gap(installed: None, hamiload: Path) -> None:
+    """
+    C{systemctl reload} (C{ExecReload=}: SIGHUP) under load: each time a new
+    broker takes the socket over, systemd follows C{MAINPID=} to it, the old
+    one exits, and the unit stays active throughout without a restart.
+    """
+    reset_start_limit()
+    systemctl("start", SOCKET_UNIT, SERVICE)
+    original, pids = os.stat(SOCKET).st_ino, [main_pid()]
+    report: dict[str, object] = {}
+    with continuous_load(hamiload, SOCKET, report, interval_us=INTERVAL_US):
+        for _ in range(RELOADS):
+            pids.append(reload_once(pids[-1]))
+            assert os.stat(SOCKET).st_ino == original, "the same socket throughout"
+        assert ask_pid(SOCKET) == os.getpid()
+    print(f"{RELOADS} reloads under real systemd: {report}")
+    log, messages = broker_log(), kernel_log()
+    assert log.count("handed over to PID") == RELOADS, log[-4000:]
+    assert "reload failed" not in log, log[-4000:]
+    assert systemctl("show", "--property=NRestarts", "--value", SERVICE) == "0"
+    assert "Reloaded" in messages, messages[-3000:]
+    assert "Got notification message" not in messages, messages[-3000:]
+    assert_never_gone(report)
+    systemctl("stop", SERVICE, SOCKET_UNIT)
+    assert systemctl("show", "--property=Result", "--value", SERVICE) == "success"
+    assert not any(Path(f"/proc/{pid}").exists() for pid in pids), pids
 
 
 def test_the_descriptor_store_is_used_where_systemd_offers_one(
