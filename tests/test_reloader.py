@@ -7,15 +7,19 @@ The reload itself, with real processes: tests/integration/test_reload.py.
 
 from __future__ import annotations
 
+import select
+import signal
 import socket
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from twisted.internet.defer import Deferred
-from twisted.internet.error import ProcessExitedAlready
+from twisted.internet.error import ProcessDone
 from twisted.internet.testing import MemoryReactorClock
+from twisted.python.failure import Failure
 
 from hostpid.broker.reload import Reloader
 from hostpid.broker.sdnotify import ReadinessNotifier
@@ -91,26 +95,30 @@ class FakeBroker:
         return self.serving
 
 
-class FakeProcess:
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.signals: list[str] = []
-
-    def signalProcess(self, name: str) -> None:
-        if self.signals:
-            raise ProcessExitedAlready()
-        self.signals.append(name)
-
-
 class SpawningReactor(MemoryReactorClock):
     def __init__(self) -> None:
         super().__init__()
-        self.spawned: list[tuple[Any, list[str], FakeProcess]] = []
+        self.spawned: list[tuple[Any, list[str]]] = []
 
-    def spawnProcess(self, protocol: Any, executable: str, args: list[str], **kwargs: Any) -> Any:
-        process = FakeProcess(1000 + len(self.spawned))
-        self.spawned.append((protocol, args, process))
-        return process
+    def spawnProcess(self, protocol: Any, executable: str, args: list[str], **kwargs: Any) -> None:
+        self.spawned.append((protocol, args))
+
+
+@pytest.fixture
+def sleeper() -> Iterator[subprocess.Popen[bytes]]:
+    """A real process to stand for the new broker the launcher started."""
+    process = subprocess.Popen(["sleep", "600"])
+    yield process
+    process.kill()
+    process.wait()
+
+
+def launched(reactor: SpawningReactor, pid: int | None) -> None:
+    """The launcher reports C{pid} (or nothing) and exits."""
+    launcher = reactor.spawned[-1][0]
+    if pid is not None:
+        launcher.childDataReceived(3, f"{pid}\n".encode())
+    launcher.processEnded(Failure(ProcessDone(0)))
 
 
 def reloader(broker: FakeBroker, reactor: SpawningReactor, notifier: Any) -> Reloader:
@@ -128,18 +136,25 @@ class RecordingNotifier:
         self.passed.append(pid)
 
 
-def test_one_reload_at_a_time_and_the_main_pid_only_to_its_own_broker() -> None:
+def test_one_reload_at_a_time_and_the_main_pid_only_to_its_own_broker(
+    sleeper: subprocess.Popen[bytes],
+) -> None:
     broker, reactor, notifier = FakeBroker(), SpawningReactor(), RecordingNotifier()
     reloading = reloader(broker, reactor, notifier)
     reloading.reload()
     reloading.reload()
     assert len(reactor.spawned) == 1, "a second SIGHUP while one new broker starts is ignored"
-    _, args, process = reactor.spawned[0]
-    assert args == ["/venv/bin/python", "/venv/bin/twistd"]
+    _, args = reactor.spawned[0]
+    assert args[1:4] == ["-I", "-S", "-c"] and args[5:] == ["/venv/bin/python", "/venv/bin/twistd"]
+    launched(reactor, sleeper.pid)
+    assert reloading.pid == sleeper.pid
+    reloading.reload()
+    assert len(reactor.spawned) == 1
     reloading._handingOver(4711)
     assert notifier.passed == [], "a broker this one did not start gets no MAINPID="
-    reloading._handingOver(process.pid)
-    assert notifier.passed == [process.pid]
+    reloading._handingOver(sleeper.pid)
+    assert notifier.passed == [sleeper.pid]
+    assert reloading.pid is None and reactor.readers == set(), "its exit is no longer watched"
 
 
 @pytest.mark.parametrize(
@@ -161,27 +176,41 @@ def test_a_broker_that_cannot_hand_over_starts_nothing(state: dict[str, object],
     assert reactor.spawned == []
 
 
-def test_a_new_broker_that_neither_takes_over_nor_exits_is_killed() -> None:
+def test_a_new_broker_that_neither_takes_over_nor_exits_is_killed(
+    sleeper: subprocess.Popen[bytes],
+) -> None:
     broker, reactor = FakeBroker(), SpawningReactor()
     reloading = reloader(broker, reactor, RecordingNotifier())
     reloading.reload()
-    protocol, _, process = reactor.spawned[0]
+    launched(reactor, sleeper.pid)
     reactor.advance(59.9)
-    assert process.signals == []
+    assert sleeper.poll() is None
     reactor.advance(0.2)
-    assert process.signals == ["KILL"]
-    protocol.ended(None)
+    assert sleeper.wait(10) == -signal.SIGKILL
     assert reloading.pid is None, "a later reload may start"
     reloading.reload()
     assert len(reactor.spawned) == 2
 
 
-def test_a_failed_new_broker_ends_the_reload() -> None:
+def test_a_new_broker_that_exits_ends_the_reload(sleeper: subprocess.Popen[bytes]) -> None:
     broker, reactor = FakeBroker(), SpawningReactor()
     reloading = reloader(broker, reactor, RecordingNotifier())
     reloading.reload()
-    protocol, _, process = reactor.spawned[0]
-    protocol.ended(1)
-    assert reloading.pid is None
+    launched(reactor, sleeper.pid)
+    (watch,) = reactor.readers
+    sleeper.kill()
+    sleeper.wait()
+    assert select.select([watch], [], [], 10)[0], "a pidfd is readable once its process exits"
+    watch.doRead()  # type: ignore[attr-defined]
+    assert reloading.pid is None and reactor.readers == set()
     reactor.advance(120)
-    assert process.signals == [], "no kill after it ended"
+    assert reactor.getDelayedCalls() == []
+
+
+def test_a_launcher_that_reports_nothing_ends_the_reload() -> None:
+    broker, reactor = FakeBroker(), SpawningReactor()
+    reloading = reloader(broker, reactor, RecordingNotifier())
+    reloading.reload()
+    launched(reactor, None)
+    assert reloading.pid is None
+    assert reactor.getDelayedCalls() == []

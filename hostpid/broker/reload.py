@@ -9,8 +9,8 @@ broker (its main process), and the broker then:
 
   1. starts a new broker from the installed files, with its own command line
      and environment (C{sys.orig_argv}; its output goes where this one's
-     does, systemd's journal), as a child of its own, so in the unit's
-     cgroup;
+     does, systemd's journal), in the unit's cgroup, through a launcher that
+     exits at once so that systemd becomes its parent (L{_LAUNCHER});
   2. hands it the listener and lock over the control socket when it asks
      (L{hostpid.broker.handover}): both accept on the same socket for a
      moment, and there is no instant without an accepting listener;
@@ -43,7 +43,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from twisted.application.service import Service
-from twisted.internet.error import ProcessExitedAlready
 from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.protocol import ProcessProtocol
 from twisted.logger import Logger
@@ -56,15 +55,86 @@ from hostpid.broker.sdnotify import NOTIFY_SOCKET, ReadinessNotifier
 #: take well under this even under emulation.
 RELOAD_TIMEOUT = 60.0
 
+#: The descriptor the launcher reports the new broker's PID on.
+_REPORT_FD = 3
 
-class _NewBroker(ProcessProtocol):
-    """The new broker's exit, as the reactor reaps it."""
+#: Starts the new broker as its own child and exits at once, so that the
+#: new broker is re-parented to systemd (PID 1) long before it is passed
+#: the main PID.  systemd marks a main PID whose parent is not systemd
+#: "alien" ("Supervising process N which is not our child") and, stopping
+#: the unit, does not wait for an alien main process after SIGTERM: it sends
+#: SIGKILL at once (seen under systemd 252), which would cut the stop's last
+#: answers and end the unit with result "signal".  Standard library only,
+#: run isolated (C{-I -S}); the report descriptor is not inherited.
+_LAUNCHER = f"""
+import os, sys
+os.set_inheritable({_REPORT_FD}, False)
+pid = os.fork()
+if pid == 0:
+    try:
+        os.execv(sys.argv[1], sys.argv[1:])
+    except OSError as e:
+        sys.stderr.write("hostpid-broker: reload: cannot run %s: %s\\n" % (sys.argv[1], e.strerror))
+    os._exit(127)
+os.write({_REPORT_FD}, b"%d\\n" % pid)
+os._exit(0)
+"""
 
-    def __init__(self, ended: Callable[[int | None], None]) -> None:
-        self.ended = ended
+
+class _Launcher(ProcessProtocol):
+    """The launcher: the new broker's PID it reports, then its own exit."""
+
+    def __init__(self, launched: Callable[[int | None], None]) -> None:
+        self.launched = launched
+        self.report = b""
+
+    def childDataReceived(self, childFD: int, data: bytes) -> None:
+        if childFD == _REPORT_FD:
+            self.report += data[:32]
 
     def processEnded(self, reason: Failure) -> None:
-        self.ended(getattr(reason.value, "exitCode", None))
+        try:
+            pid: int | None = int(self.report.strip())
+        except ValueError:
+            pid = None
+        self.launched(pid)
+
+
+class _Exit:
+    """A pidfd in the reactor: readable once the process it names has exited."""
+
+    def __init__(self, reactor: Any, pidfd: int, ended: Callable[[], None]) -> None:
+        self.reactor = reactor
+        self.pidfd = pidfd
+        self.ended = ended
+        reactor.addReader(self)
+
+    def fileno(self) -> int:
+        return self.pidfd
+
+    def logPrefix(self) -> str:
+        return "hostpid-reload"
+
+    def doRead(self) -> None:
+        self.close()
+        self.ended()
+
+    def connectionLost(self, reason: Failure) -> None:
+        self.close()
+
+    def kill(self) -> None:
+        """SIGKILL the very process (a pidfd cannot name a reused PID)."""
+        if self.pidfd >= 0:
+            try:
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def close(self) -> None:
+        if self.pidfd >= 0:
+            self.reactor.removeReader(self)
+            os.close(self.pidfd)
+            self.pidfd = -1
 
 
 class Reloader(Service):
@@ -98,9 +168,10 @@ class Reloader(Service):
         self.environ = environ
         self.argv = argv if argv is not None else [sys.executable, *sys.orig_argv[1:]]
         self.timeout = timeout
-        #: The new broker of the reload under way, and its bound.
+        #: The new broker of the reload under way (0 while it is launched),
+        #: its exit as the reactor sees it, and its bound.
         self.pid: int | None = None
-        self._process: Any = None
+        self._exit: _Exit | None = None
         self._timer: IDelayedCall | None = None
         self._previous: Any = None
 
@@ -134,16 +205,28 @@ class Reloader(Service):
         if problem is not None:
             self.log.warn("hostpid-broker: reload ignored: {problem}", problem=problem)
             return
-        process = self.reactor.spawnProcess(
-            _NewBroker(self._ended), self.argv[0], self.argv, env=dict(self._environ),
-            childFDs={0: 0, 1: 1, 2: 2},
+        self.pid = 0  # launching
+        self.reactor.spawnProcess(
+            _Launcher(self._launched), sys.executable,
+            [sys.executable, "-I", "-S", "-c", _LAUNCHER, *self.argv],
+            env=dict(self._environ), childFDs={0: 0, 1: 1, 2: 2, _REPORT_FD: "r"},
         )
-        self._process = process
-        self.pid = process.pid
         self._timer = self.reactor.callLater(self.timeout, self._expired)
+
+    def _launched(self, pid: int | None) -> None:
+        if pid is None:
+            self._end()
+            self.log.warn("hostpid-broker: reload failed: the new broker could not be started")
+            return
+        self.pid = pid
+        try:
+            self._exit = _Exit(self.reactor, os.pidfd_open(pid), self._ended)
+        except ProcessLookupError:
+            self._ended()
+            return
         self.log.info(
             "hostpid-broker: reload: started PID {pid} from the installed files to take over",
-            pid=self.pid,
+            pid=pid,
         )
 
     def _problem(self) -> str | None:
@@ -158,34 +241,38 @@ class Reloader(Service):
 
     def _handingOver(self, pid: int) -> None:
         """The handover's last step: a reload's new broker becomes systemd's main process."""
-        if pid != self.pid:
+        if not pid or pid != self.pid:
             return
-        self._cancel()
+        self._end()
         self.notifier.passMainPid(pid)
 
-    def _ended(self, status: int | None) -> None:
-        pid, self.pid, self._process = self.pid, None, None
-        self._cancel()
+    def _ended(self) -> None:
+        pid = self.pid
+        self._end()
         if not self.broker.handedOver:
             self.log.warn(
-                "hostpid-broker: reload failed: PID {pid} exited (status {status}) without "
-                "taking over; its output says why; this broker keeps serving",
-                pid=pid, status=status,
+                "hostpid-broker: reload failed: PID {pid} exited without taking over; its "
+                "output says why; this broker keeps serving", pid=pid,
             )
 
     def _expired(self) -> None:
         self._timer = None
-        if self._process is not None and not self.broker.handedOver:
-            self.log.warn(
-                "hostpid-broker: reload: PID {pid} did not take over within {timeout}s; "
-                "killed", pid=self.pid, timeout=self.timeout,
-            )
-            try:
-                self._process.signalProcess("KILL")
-            except ProcessExitedAlready:
-                pass
+        if self.broker.handedOver:
+            return
+        self.log.warn(
+            "hostpid-broker: reload: PID {pid} did not take over within {timeout}s; killed",
+            pid=self.pid, timeout=self.timeout,
+        )
+        if self._exit is not None:
+            self._exit.kill()
+        self._end()
 
-    def _cancel(self) -> None:
+    def _end(self) -> None:
+        """No reload under way any more: a later SIGHUP may start one."""
+        self.pid = None
+        exit, self._exit = self._exit, None
+        if exit is not None:
+            exit.close()
         timer, self._timer = self._timer, None
         if timer is not None and timer.active():
             timer.cancel()

@@ -21,6 +21,8 @@ from kernels import debian, matrix
 GUEST_TESTS = ("-q", "-ra", "-s", "tests/kernels/systemd_units.py")
 #: How many of them must pass.
 EXPECTED = 3
+#: The reloads systemd_units.py makes.
+RELOADS = 3
 #: Boot, systemd's own start and four broker starts a test, all emulated.
 TIMEOUT = 900.0
 
@@ -36,3 +38,12 @@ def test_the_shipped_units_under_real_systemd(kernel: debian.Kernel) -> None:
     problem = matrix.problem(run)
     assert problem is None, f"{kernel.name} under systemd ({run.package}): {problem}"
     assert run.count("passed") == EXPECTED, run.summary()
+    # systemd's own word (no journald runs: it writes to the console): each
+    # reload ended, and it ignored no notification, which it does (and says)
+    # for one from a process other than the main one (NotifyAccess=main).
+    console = run.console()
+    assert console.count("Reloaded hostpid-broker.service") == RELOADS, console[-3000:]
+    assert "Got notification message" not in console, console[-3000:]
+    # And each new main process was its child: systemd does not wait, on a
+    # stop, for the exit of a main process it calls alien, but kills it.
+    assert "which is not our child" not in console, console[-3000:]
