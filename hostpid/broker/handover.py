@@ -11,9 +11,11 @@ versioned messages (L{encode}, L{decode}):
   1. new -> old C{ASK};
   2. old -> new C{OFFER} carrying, with C{SCM_RIGHTS}, the listening socket
      and the lock file descriptor, and in its body the socket's identity
-     (device, inode) the old broker recorded.  A C{flock} belongs to the
-     open file description, which both processes now share: the lock is
-     never released in between;
+     (device, inode) the old broker recorded, and in its text L{KEPT} when
+     systemd holds the listener too (socket activation, the descriptor
+     store), so that the new owner also leaves the path in place when it
+     stops.  A C{flock} belongs to the open file description, which both
+     processes now share: the lock is never released in between;
   3. the new broker checks what it received, listens on the same socket (the
      same inode: workloads' read-only mounts see it), starts accepting, and
      once its reactor runs sends C{TAKEN};
@@ -71,6 +73,11 @@ TIMEOUT = 5.0
 
 #: Descriptors an offer carries: the listener, then the lock.
 OFFERED_DESCRIPTORS = 2
+
+#: An offer's text when systemd keeps the listener too: the path must
+#: outlive its owner.  Any other text (an older broker sends none) means it
+#: does not.
+KEPT = "kept"
 
 #: Connections the control socket queues; more wait in connect or fail.
 CONTROL_BACKLOG = 4
@@ -194,6 +201,8 @@ class Takeover:
     lockFd: int
     identity: SocketIdentity
     peerPid: int
+    #: Whether systemd keeps the listener too (the offer said L{KEPT}).
+    kept: bool = False
 
     def abandon(self) -> None:
         """Close all of it: the old broker sees the connection end and keeps serving."""
@@ -342,7 +351,7 @@ def _accept_offer(
                 os.close(fd)
         raise
     listener.setblocking(False)
-    return Takeover(connection, listener, fds[1], identity, pid)
+    return Takeover(connection, listener, fds[1], identity, pid, kept=message.reason == KEPT)
 
 
 def complete(
@@ -436,6 +445,8 @@ class Offer:
     listenerFd: int
     lockFd: int
     identity: SocketIdentity
+    #: Whether systemd keeps the listener too.
+    kept: bool = False
 
 
 class ControlListener:
@@ -631,7 +642,10 @@ class _Session:
             self._send(Message(Kind.REFUSED, reason=offer))
             self.end(f"nothing to offer: {offer}")
             return
-        message = Message(Kind.OFFER, offer.identity.device, offer.identity.inode)
+        message = Message(
+            Kind.OFFER, offer.identity.device, offer.identity.inode,
+            reason=KEPT if offer.kept else "",
+        )
         try:
             socket.send_fds(self.sock, [encode(message)], [offer.listenerFd, offer.lockFd])
         except OSError as e:

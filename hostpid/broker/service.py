@@ -558,9 +558,13 @@ class BrokerService(Service):
             ) from None
         self.log.info(
             "hostpid-broker: lock held by PID {pid}: it handed over its listener and lock "
-            "(socket inode {inode}, the same file)",
+            "(socket inode {inode}, the same file){kept}",
             pid=takeover.peerPid, inode=takeover.identity.inode,
+            kept="; systemd keeps the listener too" if takeover.kept else "",
         )
+        if takeover.kept:
+            # systemd passes it again at the next start: leave the path in place.
+            self.listenerKept = True
         return takeover
 
     def whenSettled(self) -> Deferred[None]:
@@ -624,7 +628,7 @@ class BrokerService(Service):
         port = self.port
         if not self.ready() or port is None or port.identity is None or self._lockFd is None:
             return "this broker is not serving"
-        return handover.Offer(port.fileno(), self._lockFd, port.identity)
+        return handover.Offer(port.fileno(), self._lockFd, port.identity, kept=self.listenerKept)
 
     def _handOver(self, pid: int) -> None:
         """A new broker accepts on the listener: stop accepting, keep the path, stop."""

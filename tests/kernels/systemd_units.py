@@ -205,7 +205,8 @@ def test_reload_hands_over_without_a_gap(installed: None, hamiload: Path) -> Non
     """
     C{systemctl reload} (C{ExecReload=}: SIGHUP) under load: each time a new
     broker takes the socket over, systemd follows C{MAINPID=} to it, the old
-    one exits, and the unit stays active throughout without a restart.
+    one exits, and the unit stays active throughout without a restart; a
+    restart afterwards still finds the socket systemd keeps.
     """
     reset_start_limit()
     systemctl("start", SOCKET_UNIT, SERVICE)
@@ -223,6 +224,12 @@ def test_reload_hands_over_without_a_gap(installed: None, hamiload: Path) -> Non
     assert log.count("told systemd MAINPID=") == RELOADS, log[-4000:]
     assert systemctl("show", "--property=NRestarts", "--value", SERVICE) == "0"
     assert_never_gone(report)
+    # A restart after reloads: the broker that took over knows systemd keeps
+    # the socket, leaves it in place at its stop, and the next start has it.
+    systemctl("restart", SERVICE)
+    assert active() and os.stat(SOCKET).st_ino == original, broker_log()[-4000:]
+    assert ask_pid(SOCKET) == os.getpid()
+    pids.append(main_pid())
     systemctl("stop", SERVICE, SOCKET_UNIT)
     assert systemctl("show", "--property=Result", "--value", SERVICE) == "success", (
         systemctl("show", "--property=ExecMainCode", "--property=ExecMainStatus", SERVICE)
