@@ -214,3 +214,15 @@ def test_a_launcher_that_reports_nothing_ends_the_reload() -> None:
     launched(reactor, None)
     assert reloading.pid is None
     assert reactor.getDelayedCalls() == []
+
+
+class FailingReactor(SpawningReactor):
+    def spawnProcess(self, protocol: Any, executable: str, args: list[str], **kwargs: Any) -> None:
+        raise OSError(11, "Resource temporarily unavailable")
+
+
+def test_a_launcher_that_cannot_start_leaves_reloads_possible() -> None:
+    reactor = FailingReactor()
+    reloading = reloader(FakeBroker(), reactor, RecordingNotifier())
+    reloading.reload()
+    assert reloading.pid is None and reactor.getDelayedCalls() == []

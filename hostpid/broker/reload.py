@@ -205,12 +205,17 @@ class Reloader(Service):
         if problem is not None:
             self.log.warn("hostpid-broker: reload ignored: {problem}", problem=problem)
             return
+        try:
+            self.reactor.spawnProcess(
+                _Launcher(self._launched), sys.executable,
+                [sys.executable, "-I", "-S", "-c", _LAUNCHER, *self.argv],
+                env=dict(self._environ), childFDs={0: 0, 1: 1, 2: 2, _REPORT_FD: "r"},
+            )
+        except OSError as e:
+            self.log.warn("hostpid-broker: reload failed: cannot start a process ({error})",
+                          error=e.strerror)
+            return
         self.pid = 0  # launching
-        self.reactor.spawnProcess(
-            _Launcher(self._launched), sys.executable,
-            [sys.executable, "-I", "-S", "-c", _LAUNCHER, *self.argv],
-            env=dict(self._environ), childFDs={0: 0, 1: 1, 2: 2, _REPORT_FD: "r"},
-        )
         self._timer = self.reactor.callLater(self.timeout, self._expired)
 
     def _launched(self, pid: int | None) -> None:
@@ -224,6 +229,10 @@ class Reloader(Service):
         except ProcessLookupError:
             self._ended()
             return
+        except OSError as e:
+            # Not watched: only the bound ends this reload if it fails.
+            self.log.warn("hostpid-broker: reload: cannot watch PID {pid} ({error})",
+                          pid=pid, error=e.strerror)
         self.log.info(
             "hostpid-broker: reload: started PID {pid} from the installed files to take over",
             pid=pid,
