@@ -19,7 +19,8 @@ import os
 import socket
 import stat
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from support import BrokerProcess, subprocess_env
@@ -130,6 +131,18 @@ class ServiceManager:
         self.store.clear()
 
 
+@contextmanager
+def managed(tmp_path: Path) -> Iterator[ServiceManager]:
+    """A service manager for a broker directory under C{tmp_path}, closed afterwards."""
+    runtime = tmp_path / "systemd"
+    runtime.mkdir()
+    made = ServiceManager(tmp_path / "broker", runtime)
+    try:
+        yield made
+    finally:
+        made.close()
+
+
 def _receive(sock: socket.socket) -> tuple[bytes, list[int], int]:
     """One notification: its text, the descriptors it carries, its sender's PID."""
     ucred = struct.Struct("iII")
@@ -167,4 +180,4 @@ def _place(sources: list[int]) -> Callable[[], None]:
     return place
 
 
-__all__ = ["ServiceManager", "bind_listener"]
+__all__ = ["ServiceManager", "bind_listener", "managed"]

@@ -586,8 +586,7 @@ class BrokerService(Service):
 
     def _completeTakeover(self, expectedUid: int) -> None:
         takeover, self._takeover = self._takeover, None
-        if takeover is None:
-            self._settled()
+        if takeover is None:  # stopped meanwhile: stopService settled its waiters
             return
 
         def done(problem: str | None) -> None:

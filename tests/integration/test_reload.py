@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from continuity import assert_never_gone, continuous_load, no_fallbacks
-from servicemanager import ServiceManager, bind_listener
+from servicemanager import ServiceManager, bind_listener, managed
 from support import WAIT_SECONDS, BrokerProcess, ask_pid, require_root, wait_for
 
 RELOADS = 20
@@ -38,15 +38,12 @@ def _set_subreaper(on: bool) -> None:
 @pytest.fixture
 def manager(tmp_path: Path) -> Iterator[ServiceManager]:
     require_root()
-    runtime = tmp_path / "systemd"
-    runtime.mkdir()
-    made = ServiceManager(tmp_path / "broker", runtime)
-    _set_subreaper(True)
-    try:
-        yield made
-    finally:
-        _set_subreaper(False)
-        made.close()
+    with managed(tmp_path) as made:
+        _set_subreaper(True)
+        try:
+            yield made
+        finally:
+            _set_subreaper(False)
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from continuity import assert_never_gone, continuous_load, no_fallbacks
-from servicemanager import ServiceManager, bind_listener
+from servicemanager import ServiceManager, bind_listener, managed
 from support import BrokerProcess, ask_pid, require_root
 
 RESTARTS = 20
@@ -31,11 +31,8 @@ FALLBACK_SHARE = 0.05
 @pytest.fixture
 def manager(tmp_path: Path) -> Iterator[ServiceManager]:
     require_root()
-    runtime = tmp_path / "systemd"
-    runtime.mkdir()
-    made = ServiceManager(tmp_path / "broker", runtime)
-    yield made
-    made.close()
+    with managed(tmp_path) as made:
+        yield made
 
 
 @pytest.fixture
