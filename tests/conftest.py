@@ -21,8 +21,9 @@ import pytest
 #: under trial and pytest as another UID; not part of this suite's collection.
 collect_ignore = ["downstream"]
 
-#: The C{kernel} and C{kernel_feature} marks and their probes.
-pytest_plugins = ["kernelfeatures"]
+#: The C{kernel} and C{kernel_feature} marks and their probes; the per-test
+#: cap and C{HOSTPID_REPEAT} (tests/budget.py).
+pytest_plugins = ["kernelfeatures", "budget"]
 
 #: The production lock parent on the machine that runs the suite.
 HOST_LOCK_PARENT = "/tmp/vgpulock"

@@ -1,0 +1,71 @@
+"""
+The suite's own budget rules (tests/budget.py), run in a real pytest of
+their own: a test past its cap stops the run with one line naming it, a
+test marked with a larger cap is left alone, and C{HOSTPID_REPEAT=N} runs
+each test N times.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from support import REPO
+
+HANGS = """
+import threading, time
+import pytest
+
+def test_hangs():
+    threading.Event().wait()
+
+@pytest.mark.cap(30)
+def test_may_take_longer():
+    time.sleep(1.5)
+"""
+
+COUNTS = """
+import os
+
+def test_counted(tmp_path_factory):
+    with open(os.environ["COUNT_FILE"], "a") as f:
+        f.write("x")
+"""
+
+
+def _pytest(
+    tmp_path: Path, source: str, *args: str, **env: str
+) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "test_subject.py").write_text(source)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "budget", "-p", "no:cacheprovider", "-q",
+         "--rootdir", str(tmp_path), str(tmp_path / "test_subject.py"), *args],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False,
+        env={**os.environ, "PYTHONPATH": str(REPO / "tests"), "HOSTPID_TIME_SCALE": "1", **env},
+    )
+
+
+def test_a_test_past_its_cap_stops_the_run_naming_it(tmp_path: Path) -> None:
+    run = _pytest(tmp_path, HANGS, "-k", "hangs", HOSTPID_TEST_CAP="1")
+    assert run.returncode == 7, (run.returncode, run.stdout, run.stderr)
+    lines = [line for line in run.stderr.splitlines() if line.startswith("hostpid:")]
+    assert lines == [
+        "hostpid: test_subject.py::test_hangs ran past its cap of 1 s (HOSTPID_TEST_CAP); "
+        "stopping the run"
+    ], run.stderr
+
+
+def test_a_marked_cap_lets_a_test_run_longer(tmp_path: Path) -> None:
+    run = _pytest(tmp_path, HANGS, "-k", "longer", HOSTPID_TEST_CAP="1")
+    assert run.returncode == 0, (run.stdout, run.stderr)
+    assert "1 passed" in run.stdout
+
+
+def test_repeat_runs_each_test_that_many_times(tmp_path: Path) -> None:
+    count = tmp_path / "count"
+    run = _pytest(tmp_path, COUNTS, "-rA", HOSTPID_REPEAT="3", COUNT_FILE=str(count))
+    assert run.returncode == 0, (run.stdout, run.stderr)
+    assert count.read_text() == "xxx"
+    assert "PASSED test_subject.py::test_counted[repeat-3-of-3]" in run.stdout
