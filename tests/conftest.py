@@ -22,8 +22,9 @@ import pytest
 collect_ignore = ["downstream"]
 
 #: The C{kernel} and C{kernel_feature} marks and their probes; the per-test
-#: cap and C{HOSTPID_REPEAT} (tests/budget.py).
-pytest_plugins = ["kernelfeatures", "budget"]
+#: cap and C{HOSTPID_REPEAT} (tests/budget.py); the guests booted in the
+#: background (tests/kernels/schedule.py).
+pytest_plugins = ["kernelfeatures", "budget", "kernels.schedule"]
 
 #: The production lock parent on the machine that runs the suite.
 HOST_LOCK_PARENT = "/tmp/vgpulock"

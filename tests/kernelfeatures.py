@@ -32,7 +32,8 @@ Marks (registered here, loaded by tests/conftest.py):
 Each probe asks the kernel the question the broker asks (the same socket
 option, system call or ioctl on a real socket or process); nothing is
 inferred from the release number.  Run as a script, this module prints the
-probes' results as JSON (tests/kernels/guest-init.sh does, for docs/kernels.md).
+probes' results as JSON; in a pytest session with C{HOSTPID_FEATURES_FILE} set
+it writes them there (tests/kernels/guest-init.sh does, for docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -326,8 +327,19 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             terminalreporter.line(f"{report.nodeid}: {report.longrepr[2]}")
 
 
-def main() -> None:
-    """Print every probe's result as JSON: {feature: {present, detail}}."""
+#: Where a guest's pytest writes every probe's result (tests/kernels/guest-init.sh
+#: sets it): asked in the session that runs the tests, not in an interpreter of
+#: its own, which costs a guest under emulation some 15 s.
+FEATURES_FILE = os.environ.get("HOSTPID_FEATURES_FILE")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if FEATURES_FILE:
+        Path(FEATURES_FILE).write_text(json.dumps(results(), indent=1, sort_keys=True) + "\n")
+
+
+def results() -> dict[str, dict[str, object]]:
+    """Every probe's result: {feature: {present, detail}}, and the release."""
     results: dict[str, dict[str, object]] = {}
     for feature in PROBES:
         try:
@@ -336,7 +348,12 @@ def main() -> None:
         except ProbeError as error:
             results[feature] = {"present": None, "detail": f"probe error: {error}"}
     results["release"] = {"present": True, "detail": os.uname().release}
-    json.dump(results, sys.stdout, indent=1, sort_keys=True)
+    return results
+
+
+def main() -> None:
+    """Print every probe's result as JSON."""
+    json.dump(results(), sys.stdout, indent=1, sort_keys=True)
     sys.stdout.write("\n")
 
 

@@ -22,16 +22,21 @@ poweroff() {
 
 run_job() {
     cd "$WORKTREE" || poweroff
-    "$PYTHON" tests/kernelfeatures.py > "$JOB/features.json" 2> "$JOB/features.err"
     cut -d' ' -f1 /proc/uptime > "$JOB/tests-started-at"
     # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words quoted by vm.py
     eval "set -- $PYTEST_ARGS"
+    # The kernel's features are probed by the same pytest (tests/kernelfeatures.py).
     timeout --kill-after=10 "$GUEST_TIMEOUT" env HOSTPID_REQUIRE_PRIVILEGED=1 HOSTPID_KERNEL_MATRIX=0 \
-        PYTHONUNBUFFERED=1 HOSTPID_TIME_SCALE="$TIME_SCALE" \
+        PYTHONUNBUFFERED=1 HOSTPID_TIME_SCALE="$TIME_SCALE" HOSTPID_FEATURES_FILE="$JOB/features.json" \
         "$PYTHON" -m pytest -p no:cacheprovider --junitxml="$JOB/junit.xml" "$@" \
         > "$JOB/pytest.log" 2>&1
     echo $? > "$JOB/pytest.rc"
     cut -d' ' -f1 /proc/uptime > "$JOB/tests-ended-at"
+    if [ -n "${CANARY:-}" ]; then
+        # Writes where the host must not see them (tests/kernels/guest_canary.py).
+        env HOSTPID_KERNEL_MATRIX=0 "$PYTHON" -I "$CANARY" > "$JOB/canary.log" 2>&1
+        echo $? > "$JOB/canary.rc"
+    fi
 }
 
 if [ "$1" = "--job" ]; then

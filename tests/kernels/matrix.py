@@ -2,7 +2,8 @@
 The kernel matrix: which kernels, which tests, and what counts as a failure.
 
 The subset is C{pytest -m kernel} (the C{kernel} mark, tests/kernelfeatures.py
-says which tests carry it and why).  A kernel's run fails when a guest test
+says which tests carry it and why), given only the files that hold it
+(L{schedule.subset_arguments}).  A kernel's run fails when a guest test
 failed, when the VM produced no results (it did not boot, timed out, or
 pytest did not finish), or when the host's C{/tmp/vgpulock} changed.
 """
@@ -17,13 +18,7 @@ from pathlib import Path
 import pytest
 from support import REQUIRE_PRIVILEGED, require_root, require_tool
 
-from kernels import debian, vm
-
-WORKTREE = Path(__file__).resolve().parent.parent.parent
-
-#: The guest's pytest arguments: the kernel-sensitive subset, quietly.
-SUBSET: tuple[str, ...] = ("-m", "kernel", "-q", "-ra", "--durations=15", "tests")
-
+from kernels import debian, schedule, vm
 
 #: Each VM's hard timeout in the matrix: the subset took 6-12 minutes a kernel on a
 #: shared 2-core machine (load average 5-9 from other work while it ran), and
@@ -65,12 +60,22 @@ def selected(series: Sequence[str] | None) -> list[debian.Kernel]:
     return chosen
 
 
+def job(
+    kernel: debian.Kernel, pytest_args: Sequence[str] | None = None,
+    timeout: float = vm.DEFAULT_TIMEOUT, init: str = "script", canary: bool = False,
+) -> schedule.GuestJob:
+    """A guest run; without C{pytest_args}, the kernel-sensitive subset."""
+    return schedule.GuestJob(
+        kernel, tuple(pytest_args) if pytest_args else None, timeout, init, canary
+    )
+
+
 def run_kernel(
     kernel: debian.Kernel, pytest_args: Sequence[str] | None = None,
     timeout: float = vm.DEFAULT_TIMEOUT, init: str = "script",
 ) -> vm.GuestRun:
-    unpacked = debian.obtain(kernel)
-    return vm.run(unpacked, pytest_args or SUBSET, WORKTREE, timeout=timeout, init=init)
+    """Run a guest now, in the foreground (tests/kernels/run.py)."""
+    return schedule.run(job(kernel, pytest_args, timeout, init))
 
 
 def problem(run: vm.GuestRun) -> str | None:

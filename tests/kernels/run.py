@@ -4,7 +4,7 @@ Run the kernel matrix (or part of it) by hand:
     .venv/bin/python tests/kernels/run.py [--kernel 6.1 ...] [--init systemd] [-- PYTEST ARGS]
 
 Without pytest arguments it runs the kernel-sensitive subset
-(L{kernels.matrix.SUBSET}); it prints each kernel's counts and the guest
+(L{kernels.schedule.subset_arguments}); it prints each kernel's counts and the guest
 tests that failed, and exits 1 if any failed.
 """
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernels import debian, matrix
+from kernels import debian, matrix, schedule
 
 #: The guest's tests (see systemd_units.py).
 GUEST_TESTS = ("-q", "-ra", "-s", "tests/kernels/systemd_units.py")
@@ -27,11 +27,17 @@ RELOADS = 3
 TIMEOUT = 900.0
 
 
-@pytest.mark.parametrize("kernel", [k for k in debian.KERNELS if k.series == "6.12"],
-                         ids=lambda k: k.name)
-def test_the_shipped_units_under_real_systemd(kernel: debian.Kernel) -> None:
+#: The guest: one 6.12 kernel with systemd as PID 1.
+(KERNEL,) = (k for k in debian.KERNELS if k.series == "6.12")
+JOB = matrix.job(KERNEL, GUEST_TESTS, timeout=TIMEOUT, init="systemd")
+
+
+@pytest.mark.guest(JOB)
+@pytest.mark.cap(JOB.timeout + 60)
+def test_the_shipped_units_under_real_systemd() -> None:
     matrix.wanted()
-    run = matrix.run_kernel(kernel, GUEST_TESTS, timeout=TIMEOUT, init="systemd")
+    kernel = KERNEL
+    run = schedule.result(JOB)
     print(run.summary())
     print(f"job directory: {run.job}")
     print(run.pytest_log()[-3000:])

@@ -43,6 +43,9 @@ BOOT_BOUND = 20.0
 #: The guest's PID 1 after switch_root, seen through the overlay.
 STAGE2 = Path(__file__).resolve().with_name("guest-init.sh")
 
+#: Run by a guest whose job asks for it, after its tests.
+CANARY_SCRIPT = Path(__file__).resolve().with_name("guest_canary.py")
+
 #: What must not change about the host's lock parent (same as tests/conftest.py).
 HOST_LOCK_PARENT = "/tmp/vgpulock"
 
@@ -80,6 +83,9 @@ class GuestRun:
     job: Path
     #: Set when the host's /tmp/vgpulock differed after the run (before -> after).
     host_lock_parent_changed: str | None = None
+    #: The canary's exit status and output, where the job ran it (L{run}'s C{canary}).
+    canary_rc: int | None = None
+    canary_log: str = ""
 
     def count(self, outcome: str) -> int:
         return sum(1 for result in self.outcomes if result.outcome == outcome)
@@ -109,6 +115,13 @@ def _read(path: Path) -> str:
         return path.read_text(errors="replace")
     except FileNotFoundError:
         return ""
+
+
+def _status(path: Path) -> int | None:
+    try:
+        return int(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
 
 
 def _uptime(path: Path) -> float | None:
@@ -165,6 +178,7 @@ def run(
     timeout: float = DEFAULT_TIMEOUT,
     cache: Path = CACHE,
     init: str = "script",
+    canary: bool = False,
 ) -> GuestRun:
     """
     Boot C{unpacked}, run C{pytest pytest_args} in C{worktree} as root inside,
@@ -174,6 +188,8 @@ def run(
     @param init: C{"script"}: the job runs under the guest's own small init
         (C{guest-init.sh}); C{"systemd"}: under the host's systemd as PID 1,
         as a service of its own, so that the job can drive real units.
+    @param canary: after the tests, the guest runs tests/kernels/guest_canary.py,
+        which writes where the host must not see it.
     """
     initrd = cache / "initramfs" / f"{unpacked.root.name}.cpio"
     if not initrd.is_file() or initrd.stat().st_mtime < Path(initramfs.__file__).stat().st_mtime:
@@ -191,6 +207,7 @@ def run(
         f"TIME_SCALE={TIME_SCALE}\n"
         f"GUEST_TIMEOUT={max(60, int(timeout) - 60)}\n"
         f"INIT={shlex.quote(init)}\n"
+        f"CANARY={shlex.quote(str(CANARY_SCRIPT)) if canary else ''}\n"
     )
     lock_parent_before = host_lock_parent_state()
     started = time.monotonic()
@@ -212,10 +229,7 @@ def run(
         features = json.loads((job / "features.json").read_text())
     except (FileNotFoundError, ValueError):
         features = {}
-    try:
-        pytest_rc: int | None = int((job / "pytest.rc").read_text())
-    except (FileNotFoundError, ValueError):
-        pytest_rc = None
+    pytest_rc, canary_rc = (_status(job / name) for name in ("pytest.rc", "canary.rc"))
     return GuestRun(
         package=unpacked.package,
         release=_read(job / "uname").strip() or unpacked.release,
@@ -230,4 +244,6 @@ def run(
         host_lock_parent_changed=None
         if lock_parent_after == lock_parent_before
         else f"{lock_parent_before} -> {lock_parent_after}",
+        canary_rc=canary_rc,
+        canary_log=_read(job / "canary.log"),
     )
