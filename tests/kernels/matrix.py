@@ -63,10 +63,11 @@ def selected(series: Sequence[str] | None) -> list[debian.Kernel]:
 def job(
     kernel: debian.Kernel, pytest_args: Sequence[str] | None = None,
     timeout: float = vm.DEFAULT_TIMEOUT, init: str = "script", canary: bool = False,
+    alone: bool = False,
 ) -> schedule.GuestJob:
     """A guest run; without C{pytest_args}, the kernel-sensitive subset."""
     return schedule.GuestJob(
-        kernel, tuple(pytest_args) if pytest_args else None, timeout, init, canary
+        kernel, tuple(pytest_args) if pytest_args else None, timeout, init, canary, alone
     )
 
 
