@@ -27,7 +27,7 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import attrs
@@ -148,7 +148,13 @@ class Background:
     with no other guest beside it.
     """
 
-    def __init__(self, jobs: Sequence[GuestJob], at_once: int = AT_ONCE) -> None:
+    def __init__(
+        self, jobs: Sequence[GuestJob], at_once: int = AT_ONCE,
+        runner: Callable[[GuestJob], vm.GuestRun] | None = None,
+        warmer: Callable[[], None] | None = None,
+    ) -> None:
+        self._runner = runner or run
+        self._warmer = warmer or warm
         # The jobs that must run alone go last, so that nothing waits behind them.
         self._jobs = [job for job in jobs if not job.alone] + [job for job in jobs if job.alone]
         self._pending = {job: _Pending() for job in self._jobs}
@@ -175,7 +181,7 @@ class Background:
     def _work(self) -> None:
         if self._threads[0] is threading.current_thread():
             try:
-                warm()
+                self._warmer()
             except Exception:  # noqa: BLE001 - warming is an optimisation only
                 pass
             self._warmed.set()
@@ -186,7 +192,7 @@ class Background:
                     self._pending[earlier].done.wait()
             pending = self._pending[job]
             try:
-                pending.run = run(job)
+                pending.run = self._runner(job)
             except BaseException as error:  # noqa: BLE001 - handed to the test
                 pending.error = error
             pending.done.set()

@@ -159,7 +159,9 @@ def parse_junit(path: Path) -> tuple[TestOutcome, ...]:
 
 def qemu_argv(unpacked: UnpackedKernel, initrd: Path, job: Path) -> list[str]:
     return [
-        "nice", "-n", "10", "qemu-system-x86_64", *QEMU_MACHINE,
+        # Killed with the process that started it (a run stopped by the per-test
+        # cap, tests/budget.py, or by hand), and below the host's own tests.
+        "setpriv", "--pdeathsig", "KILL", "nice", "-n", "10", "qemu-system-x86_64", *QEMU_MACHINE,
         "-nodefaults", "-no-reboot", "-display", "none",
         "-serial", f"file:{job / 'console.log'}",
         "-device", "virtio-rng-pci",
