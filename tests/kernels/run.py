@@ -3,6 +3,13 @@ Run the kernel matrix (or part of it) by hand:
 
     .venv/bin/python tests/kernels/run.py [--kernel 6.1 ...] [--init systemd] [-- PYTEST ARGS]
 
+With C{HOSTPID_REPEAT=N} in the environment, the guest's pytest runs each
+test N times in a row (tests/budget.py), the way to hunt a flake on the
+kernel that showed it::
+
+    HOSTPID_REPEAT=30 .venv/bin/python tests/kernels/run.py --kernel 6.16 -- \\
+        -x -q tests/integration/test_attack_slow_sender.py
+
 Without pytest arguments it runs the kernel-sensitive subset
 (L{kernels.schedule.subset_arguments}); it prints each kernel's counts and the guest
 tests that failed, and exits 1 if any failed.

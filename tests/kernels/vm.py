@@ -210,6 +210,9 @@ def run(
         f"GUEST_TIMEOUT={max(60, int(timeout) - 60)}\n"
         f"INIT={shlex.quote(init)}\n"
         f"CANARY={shlex.quote(str(CANARY_SCRIPT)) if canary else ''}\n"
+        # HOSTPID_REPEAT (tests/budget.py) reaches the guest's pytest, so that a
+        # flake is hunted on the kernel that showed it (tests/kernels/run.py).
+        f"REPEAT={shlex.quote(os.environ.get('HOSTPID_REPEAT', '') or '1')}\n"
     )
     lock_parent_before = host_lock_parent_state()
     started = time.monotonic()
