@@ -104,7 +104,7 @@ def test_300_concurrent_clients_each_get_their_own_pid(broker: BrokerProcess) ->
                 os.close(start_write)
                 os.close(result_read)
                 os.read(start_read, 1)
-                reported = ask_pid(broker.socket_path, timeout=10) or -1
+                reported = ask_pid(broker.socket_path, timeout=scaled(10)) or -1
                 os.write(result_write, struct.pack("qq", os.getpid(), reported))
             finally:
                 os._exit(0)

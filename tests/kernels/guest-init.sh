@@ -28,7 +28,7 @@ run_job() {
     # The kernel's features are probed by the same pytest (tests/kernelfeatures.py).
     timeout --kill-after=10 "$GUEST_TIMEOUT" env HOSTPID_REQUIRE_PRIVILEGED=1 HOSTPID_KERNEL_MATRIX=0 \
         PYTHONUNBUFFERED=1 HOSTPID_TIME_SCALE="$TIME_SCALE" HOSTPID_FEATURES_FILE="$JOB/features.json" \
-        HOSTPID_REPEAT="${REPEAT:-1}" \
+        HOSTPID_REPEAT="${REPEAT:-1}" HOSTPID_TEST_CAP="${TEST_CAP:-}" \
         "$PYTHON" -m pytest -p no:cacheprovider --junitxml="$JOB/junit.xml" "$@" \
         > "$JOB/pytest.log" 2>&1
     echo $? > "$JOB/pytest.rc"

@@ -86,6 +86,9 @@ def problem(run: vm.GuestRun) -> str | None:
     if run.returncode is None:
         return f"the VM was killed at its timeout; console: {run.job / 'console.log'}"
     if not run.outcomes:
+        capped = [line for line in run.pytest_log().splitlines() if line.startswith("hostpid: ")]
+        if capped:
+            return f"the guest's pytest stopped (rc {run.pytest_rc}): {capped[0]}"
         tail = "\n".join(run.console().splitlines()[-15:])
         return f"the guest reported no test results (pytest rc {run.pytest_rc}); console:\n{tail}"
     failed = run.failed()

@@ -179,29 +179,37 @@ def test_the_docs_table_is_made_from_the_recorded_probes(tmp_path: Path) -> None
 def test_background_guests_run_two_at_a_time_and_a_lone_one_after_the_rest() -> None:
     """
     tests/kernels/schedule.py's pool, with real threads and jobs that only
-    say when they run: never more than two at once, every job before the
-    one marked C{alone} has ended when it starts, nothing runs beside it,
-    and each result goes to its own job (an error too).
+    say when they run: one at a time until it is widened (the first job
+    waits, and no second starts within half a second), then never more than
+    two at once, every job before the one marked C{alone} has ended when it
+    starts, nothing runs beside it, and each result goes to its own job (an
+    error too).
     """
     import threading
 
     from kernels import schedule
 
-    kernels = [debian.Kernel(str(n), "test") for n in range(5)]
-    jobs = [schedule.GuestJob(k, ("-q",), 1.0) for k in kernels[:4]]
-    lone = schedule.GuestJob(kernels[4], ("-q",), 1.0, init="systemd", alone=True)
+    kernels = [debian.Kernel(str(n), "test") for n in range(6)]
+    jobs = [schedule.GuestJob(k, ("-q",), 1.0) for k in kernels[:5]]
+    lone = schedule.GuestJob(kernels[5], ("-q",), 1.0, init="systemd", alone=True)
     lock = threading.Lock()
     running: set[schedule.GuestJob] = set()
     seen: list[tuple[str, frozenset[schedule.GuestJob]]] = []
     ended: list[schedule.GuestJob] = []
-    # Each pair of jobs meets here: both run at once, or the test fails.
+    second_started = threading.Event()
+    first_may_end = threading.Event()
+    # After the first, each pair of jobs meets here: both run at once, or the test fails.
     pair = threading.Barrier(2, timeout=10)
 
     def runner(job: schedule.GuestJob) -> vm.GuestRun:
         with lock:
             running.add(job)
             seen.append((job.kernel.series, frozenset(running)))
-        if not job.alone:
+            if len(seen) == 2:
+                second_started.set()
+        if job is jobs[0]:
+            assert first_may_end.wait(10)
+        elif not job.alone:
             pair.wait()
         with lock:
             running.discard(job)
@@ -212,12 +220,16 @@ def test_background_guests_run_two_at_a_time_and_a_lone_one_after_the_rest() -> 
 
     background = schedule.Background([lone, *jobs], runner=runner, warmer=lambda: None)
     background.start()
+    assert not second_started.wait(0.5), f"a second guest ran before the host's tests ended: {seen}"
+    background.widen()
+    assert second_started.wait(10), seen
+    first_may_end.set()
     assert background.result(jobs[0]).package == "0"
     with pytest.raises(RuntimeError, match="no such kernel"):
         background.result(jobs[2])
-    assert background.result(lone).package == "4"
-    assert [len(beside) for _, beside in seen].count(2) >= 2, seen
+    assert background.result(lone).package == "5"
     assert max(len(beside) for _, beside in seen) == 2, seen
-    (lone_seen,) = [beside for series, beside in seen if series == "4"]
+    assert [len(beside) for _, beside in seen].count(2) >= 2, seen
+    (lone_seen,) = [beside for series, beside in seen if series == "5"]
     assert lone_seen == {lone}, seen
     assert ended[-1] is lone and set(ended[:-1]) == set(jobs)

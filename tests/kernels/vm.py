@@ -34,6 +34,12 @@ QEMU_MACHINE = ("-accel", "tcg,thread=multi", "-cpu", "max", "-smp", "2", "-m", 
 #: timing bounds (measured 8-13x); the guest gets it as HOSTPID_TIME_SCALE.
 TIME_SCALE = 12
 
+#: One guest test may take this many real seconds before the guest's pytest
+#: stops with a line naming it (tests/budget.py's cap, given to the guest
+#: divided by the time scale, which it multiplies back): the slowest guest
+#: tests take under a minute, and a hung one must not cost the VM's whole timeout.
+GUEST_TEST_CAP = 300.0
+
 #: Every VM is killed after this many seconds, whatever it is doing.
 DEFAULT_TIMEOUT = 900.0
 
@@ -207,6 +213,7 @@ def run(
         f"PYTHON={shlex.quote(str(python))}\n"
         f"PYTEST_ARGS={shlex.quote(shlex.join(pytest_args))}\n"
         f"TIME_SCALE={TIME_SCALE}\n"
+        f"TEST_CAP={GUEST_TEST_CAP / TIME_SCALE:g}\n"
         f"GUEST_TIMEOUT={max(60, int(timeout) - 60)}\n"
         f"INIT={shlex.quote(init)}\n"
         f"CANARY={shlex.quote(str(CANARY_SCRIPT)) if canary else ''}\n"
