@@ -24,10 +24,15 @@ from kernels import debian, guest_canary, matrix, schedule, vm
 #: The kernel whose guest also runs the canary (tests/kernels/guest_canary.py).
 CANARY_KERNEL = debian.KERNELS[1]
 
+#: The order the guests boot in: the two that take half as long (their kernels
+#: have SO_PEERPIDFD) beside the host's tests, the older two once those have ended,
+#: two at a time with nothing else (tests/kernels/schedule.py).
+ORDER = sorted(debian.KERNELS, key=lambda kernel: kernel.series not in ("6.12", "6.16"))
+
 #: Each kernel's guest: the kernel-sensitive subset.
 JOBS = {
     kernel: matrix.job(kernel, timeout=matrix.VM_TIMEOUT, canary=kernel == CANARY_KERNEL)
-    for kernel in debian.KERNELS
+    for kernel in ORDER
 }
 
 
@@ -37,7 +42,7 @@ JOBS = {
         pytest.param(kernel, marks=[pytest.mark.guest(job), pytest.mark.cap(job.timeout + 60)])
         for kernel, job in JOBS.items()
     ],
-    ids=[k.name for k in debian.KERNELS],
+    ids=[k.name for k in ORDER],
 )
 def test_kernel_sensitive_tests_pass_on(kernel: debian.Kernel) -> None:
     matrix.wanted()
