@@ -119,8 +119,9 @@ def _user_namespace_line(trusted_uid: int) -> str | None:
     if namespace.unmaps(trusted_uid):
         return (
             f"user-namespace ok {namespace.describe()}: host uid {trusted_uid} is not mapped; "
-            f"the broker must show as uid {trusted_uid} on an idmapped mount and its listener "
-            f"as the overflow uid {namespace.overflow_uid} with pid 0 (docs/userns.md)\n"
+            f"the broker's directory and socket must show as uid {trusted_uid} (an idmapped "
+            f"mount) or the overflow uid {namespace.overflow_uid} (a plain one), its listener "
+            f"as the overflow uid with pid 0 (docs/userns.md)\n"
         )
     if namespace.initial is None:
         return f"user-namespace FAIL {namespace.describe()}: the host's rule applies\n"

@@ -213,6 +213,33 @@ def check_gate(environ: Mapping[str, str] | None = None) -> CheckResult:
     return CheckResult(GATE, gate.gate_enabled(environ), observed)
 
 
+def _owner_as_mounted(
+    uid: int, trusted_uid: int, namespace: userns.UserNamespace | None
+) -> str | None:
+    """
+    In a user namespace that does not map C{trusted_uid}: the words for an
+    owner that is the host's C{trusted_uid} as a mount can show it, or
+    C{None} (the host's rule judges, and refuses anything else).
+
+    An idmapped mount with the pod's mapping shows the host's owner as the
+    same number; a mount without an idmapping shows it as the overflow UID.
+    Either number is also one the pod maps (its root, its nobody), so the
+    owner alone proves nothing here: what keeps the pod's own files away
+    from this path is that only the runtime (or a process with
+    C{CAP_SYS_ADMIN} over this mount namespace) can mount there, and the
+    listener must still show as the overflow UID with PID 0 (docs/userns.md).
+    """
+    if namespace is None:
+        namespace = userns.read_user_namespace()
+    if not namespace.unmaps(trusted_uid):
+        return None
+    if uid == trusted_uid:
+        return f" (the host's uid {trusted_uid} through an idmapped mount)"
+    if uid == namespace.overflow_uid:
+        return f" (the host's uid {trusted_uid} on a mount without an idmapping)"
+    return None
+
+
 def check_directory(
     info: os.stat_result | OSError, trusted_uid: int,
     namespace: userns.UserNamespace | None = None,
@@ -221,19 +248,24 @@ def check_directory(
     Judge the directory from its C{lstat}: a symlink is not followed, since
     whoever controls its target would control the answer.  In a user
     namespace that does not map the trusted UID the owner is judged as the
-    mount shows it (L{hostpid.client.userns}): the same number, which only
-    an idmapped broker mount can show.
+    mount shows it (L{_owner_as_mounted}): the same number through an
+    idmapped broker mount, the overflow UID through a plain one.
     """
     if isinstance(info, OSError):
         return CheckResult(DIRECTORY, False, f"cannot open: {os_error_text(info)}")
     described = _describe(info)
     if not stat.S_ISDIR(info.st_mode):
         return CheckResult(DIRECTORY, False, f"{described}: not a real directory")
+    owner = _owner_as_mounted(info.st_uid, trusted_uid, namespace)
+    if owner is not None:
+        if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return CheckResult(DIRECTORY, False, f"{described}: group or other may write")
+        return CheckResult(DIRECTORY, True, f"{described}{owner}")
     if info.st_uid != trusted_uid:
         return CheckResult(
             DIRECTORY, False,
             f"{described}: owner is not uid {trusted_uid}"
-            f"{userns.owner_hint(info.st_uid, namespace)}",
+            f"{userns.owner_hint(info.st_uid, namespace, trusted_uid)}",
         )
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         return CheckResult(DIRECTORY, False, f"{described}: group or other may write")
@@ -253,11 +285,14 @@ def check_socket(
     described = _describe(info)
     if not stat.S_ISSOCK(info.st_mode):
         return CheckResult(SOCKET, False, f"{described}: not a socket")
+    owner = _owner_as_mounted(info.st_uid, trusted_uid, namespace)
+    if owner is not None:
+        return CheckResult(SOCKET, True, f"{described}{owner}")
     if info.st_uid != trusted_uid:
         return CheckResult(
             SOCKET, False,
             f"{described}: owner is not uid {trusted_uid}"
-            f"{userns.owner_hint(info.st_uid, namespace)}",
+            f"{userns.owner_hint(info.st_uid, namespace, trusted_uid)}",
         )
     return CheckResult(SOCKET, True, described)
 
@@ -302,7 +337,7 @@ def check_peer(
     if credentials.uid != trusted_uid:
         return CheckResult(
             PEER_UID, False,
-            f"{observed}: not uid {trusted_uid}{userns.owner_hint(credentials.uid, namespace)}",
+            f"{observed}: not uid {trusted_uid}{userns.owner_hint(credentials.uid, namespace, trusted_uid)}",
         )
     return CheckResult(PEER_UID, True, observed)
 

@@ -8,11 +8,13 @@ namespace that does not map the host's root (Kubernetes C{hostUsers:
 false}) the kernel shows them otherwise, and the client applies the rule
 argued in C{docs/userns.md}:
 
-  - the directory and the socket must show the trusted UID I{as the mount
-    shows them}: an idmapped broker mount (the pod's own mapping) shows the
-    host's root as the pod's UID 0, and on such a mount UID 0 is shown for no
-    other owner; a mount without an idmapping shows the host's root as the
-    overflow UID, which a pod's own C{nobody} also shows as, and is refused;
+  - the directory and the socket must show the host's root as a mount can
+    show it: UID 0 through an idmapped mount with the pod's own mapping, the
+    overflow UID through a mount without an idmapping.  Neither number
+    proves the owner (the pod maps both: its root and its nobody); what
+    keeps the pod's own files off this path is that only the runtime, or a
+    process with C{CAP_SYS_ADMIN} over the client's mount namespace, can
+    mount there;
   - the listener must show as the overflow UID I{and} PID 0: the kernel's
     C{from_kuid_munged} gives the overflow UID for an unmapped owner and,
     since 65534 is a UID a 65,536-ID pod mapping does map, the PID 0 (the
@@ -36,9 +38,9 @@ UID_MAP_PATH = "/proc/self/uid_map"
 IDENTITY_MAP = ((0, 0, 4294967295),)
 
 USER_NAMESPACE = "user namespace: the broker cannot be trusted here, workloads fall back"
-NOT_IDMAPPED = (
-    "user namespace without an idmapped broker mount: the host's root shows as the overflow "
-    "UID, as this pod's own nobody does; the broker mount must be idmapped (docs/userns.md)"
+NOT_HOST_ROOT = (
+    "user namespace: the host's root shows here as uid 0 through an idmapped mount or as "
+    "the overflow UID through a plain one, never as another UID (docs/userns.md)"
 )
 
 
@@ -132,15 +134,22 @@ def in_user_namespace() -> bool | None:
     return None if initial is None else not initial
 
 
-def owner_hint(uid: int, namespace: UserNamespace | None = None) -> str:
+def owner_hint(uid: int, namespace: UserNamespace | None = None, trusted_uid: int = 0) -> str:
     """
-    C{" (user namespace: ...)"} when C{uid} is the overflow UID and this
-    process is (or may be) in a user namespace; else C{""}.
+    Words for a refused owner C{uid} when this process is (or may be) in a
+    user namespace; C{""} in the initial one.
     """
     if namespace is None:
         namespace = read_user_namespace()
-    if uid != namespace.overflow_uid or namespace.initial is True:
+    if namespace.initial is True:
         return ""
-    if namespace.initial is False:
-        return f" ({NOT_IDMAPPED})"
-    return f" ({USER_NAMESPACE}; uid {uid} is the overflow UID: the host's root is not mapped)"
+    if namespace.unmaps(trusted_uid):
+        return f" ({NOT_HOST_ROOT})"
+    if uid != namespace.overflow_uid:
+        return ""
+    if namespace.initial is None:
+        return f" ({USER_NAMESPACE}; uid {uid} is the overflow UID: the host's root is not mapped)"
+    return (
+        f" (this user namespace maps the host's uid {trusted_uid}, so the host's rule applies; "
+        f"uid {uid} is the overflow UID)"
+    )
