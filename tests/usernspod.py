@@ -115,7 +115,9 @@ def write_maps(pid: int) -> None:
             out.write(f"0 {POD_BASE} {POD_SIZE}\n")
 
 
-def make_broker_mount(pid: int, source: str, target: str, kind: str) -> None:
+def make_broker_mount(
+    pid: int, source: str, target: str, kind: str, read_only: bool = True
+) -> None:
     """
     A detached read-only clone of C{source} (idmapped with the pod's user
     namespace for C{idmap}), moved onto C{target} in the pod's mount
@@ -123,14 +125,32 @@ def make_broker_mount(pid: int, source: str, target: str, kind: str) -> None:
     to a threaded process).
     """
     tree = open_tree(source, OPEN_TREE_CLONE | os.O_CLOEXEC)
+    flags = MOUNT_ATTR_RDONLY if read_only else 0
     if kind == "idmap":
         userns = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
-        mount_setattr(tree, MOUNT_ATTR_RDONLY | MOUNT_ATTR_IDMAP, userns)
+        mount_setattr(tree, flags | MOUNT_ATTR_IDMAP, userns)
         os.close(userns)
-    else:
-        mount_setattr(tree, MOUNT_ATTR_RDONLY)
+    elif flags:
+        mount_setattr(tree, flags)
     mnt = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
     setns(mnt, CLONE_NEWNS)
+    move_mount(tree, target)
+
+
+def drop_capabilities() -> None:
+    """Every capability gone (effective, permitted, inheritable), as a pod that adds none."""
+    header = struct.pack("Ii", 0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
+    data = bytes(24)
+    _check(_libc.capset(header, data), "capset")
+
+
+def make_lock_mount(source: str, target: str, kind: str, pid: int) -> None:
+    """A read-write clone of C{source} on C{target}, in the namespace already joined."""
+    tree = open_tree(source, OPEN_TREE_CLONE | os.O_CLOEXEC)
+    if kind == "idmap":
+        userns = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+        mount_setattr(tree, MOUNT_ATTR_IDMAP, userns)
+        os.close(userns)
     move_mount(tree, target)
 
 
@@ -297,6 +317,22 @@ def _load_client() -> None:
     from hostpid.client import blocking, mountpoint, trust, userns  # noqa: F401
 
 
+def _lock_parent(lock_mount: str) -> dict:
+    """
+    The pod's root with no capability at all, on the lock parent mounted
+    read-write and idmapped: the host's root-owned directories there show
+    as its own.
+    """
+    drop_capabilities()
+    found: dict = {"owner": os.stat(os.path.join(lock_mount, "hostpid")).st_uid}
+    try:
+        os.rmdir(os.path.join(lock_mount, "hostpid"))
+        found["rmdir"] = "removed"
+    except OSError as error:
+        found["rmdir"] = _error(error)
+    return found
+
+
 def pod(directory: str) -> None:
     _load_client()
     target = os.path.join(directory, "mnt", "hostpid")
@@ -324,6 +360,9 @@ def pod(directory: str) -> None:
             "remount": _in_child(lambda: _remount_writable(target)),
         }
         result["tmpfs"] = _in_child(lambda: _impersonate_on_tmpfs(target, socket_path))
+        lock_mount = os.path.join(directory, "mnt", "lock")
+        if os.path.isdir(os.path.join(lock_mount, "hostpid")):
+            result["lock_parent"] = _in_child(lambda: _lock_parent(lock_mount))
         os.write(write, json.dumps(result).encode())
         os._exit(0)
     os.close(write)
@@ -341,6 +380,10 @@ def main(argv: list[str]) -> None:
         pod(argv[1])
     elif argv[0] == "mount":
         make_broker_mount(int(argv[1]), argv[2], argv[3], argv[4])
+        if len(argv) > 5:
+            # The lock parent, read-write, mounted the same way (a second
+            # detached tree, then into the namespace this helper is in now).
+            make_lock_mount(argv[5], argv[6], argv[4], int(argv[1]))
     else:
         raise SystemExit(f"unknown command {argv[0]!r}")
 

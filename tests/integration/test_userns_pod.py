@@ -1,0 +1,194 @@
+"""
+User-namespaced pods (Kubernetes C{hostUsers: false}) against a real broker.
+
+Each "pod" is made with real system calls (L{tests.usernspod}): a user
+namespace mapping 0..65535 to host 100000..165535 written by host root, its
+own mount and PID namespaces, and the broker's directory mounted read-only
+in it, idmapped with the pod's own mapping (what the kubelet asks for every
+volume, and so for a webhook hostPath and a device plugin's mount) or plain
+(what a runtime-added NRI mount is unless it asks for C{idmap}).  The
+broker is C{twistd hostpid-broker} on a private directory.  The pod's PID 1
+runs the real client; the host PID it is told is compared with the PID host
+root saw fork return.
+
+One pod of each kind per module run, each about half a second; every test
+reads what its pod reported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import usernspod
+from kernelfeatures import kernel_feature
+from support import BrokerProcess, require_root, skip_or_fail, subprocess_env
+
+pytestmark = pytest.mark.privileged
+
+IDMAP = pytest.param("idmap", marks=[pytest.mark.kernel, kernel_feature("idmapped_mounts")])
+KINDS = [IDMAP, "plain"]
+POD_NOBODY = usernspod.POD_BASE + usernspod.NOBODY
+
+
+def _run_pod(kind: str) -> dict:
+    require_root()
+    directory = Path(tempfile.mkdtemp(prefix="hostpid-userns-", dir="/tmp"))
+    try:
+        directory.chmod(0o755)
+        (directory / "mnt" / "hostpid").mkdir(parents=True, mode=0o755)
+        (directory / "mnt" / "lock").mkdir(mode=0o755)
+        nobody = directory / "nobody"
+        nobody.mkdir()
+        os.chown(nobody, POD_NOBODY, POD_NOBODY)
+        # A lock parent as the allocation side leaves it: root's, 01777,
+        # with root's 0755 mountpoint directory in it.
+        lock_parent = directory / "lockparent"
+        lock_parent.mkdir()
+        lock_parent.chmod(0o1777)
+        (lock_parent / "hostpid").mkdir(mode=0o755)
+        env = subprocess_env()
+        with BrokerProcess(directory / "broker") as broker:
+            broker.wait_listening()
+            pod = subprocess.Popen(
+                [sys.executable, usernspod.__file__, "pod", str(directory)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                text=True, env=env,
+            )
+            try:
+                line = pod.stdout.readline()  # type: ignore[union-attr]
+                if not line.startswith("unshared "):
+                    pod.kill()
+                    skip_or_fail(f"cannot make a user namespace: {pod.communicate()[1]}")
+                pid = int(line.split()[1])
+                usernspod.write_maps(pid)
+                subprocess.run(
+                    [sys.executable, usernspod.__file__, "mount", str(pid),
+                     str(directory / "broker"), str(directory / "mnt" / "hostpid"), kind,
+                     str(lock_parent), str(directory / "mnt" / "lock")],
+                    check=True, env=env, capture_output=True, text=True, timeout=30,
+                )
+                out, err = pod.communicate("go\n", timeout=60)
+            finally:
+                if pod.poll() is None:
+                    pod.kill()
+                    pod.wait()
+            assert pod.returncode == 0, err
+            result = json.loads(out)
+            result["lock_parent_left"] = (lock_parent / "hostpid").is_dir()
+            result["broker_log"] = broker.output()
+            return result
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def pod(request: pytest.FixtureRequest) -> Iterator[tuple[str, dict]]:
+    yield request.param, _run_pod(request.param)
+
+
+def test_client_gets_its_own_host_pid(pod: tuple[str, dict]) -> None:
+    """
+    The pod's PID 1 asks and is told the PID host root saw it get: the
+    client trusts the broker in a user namespace, on either kind of mount.
+    """
+    kind, seen = pod
+    assert seen["ns_pid"] == 1
+    assert seen["uid_map"] == ["0", str(usernspod.POD_BASE), str(usernspod.POD_SIZE)]
+    assert seen["query"] == {"pid": seen["host_pid"]}, seen["query"]
+
+
+def test_doctor_names_the_user_namespace_and_each_value(pod: tuple[str, dict]) -> None:
+    kind, seen = pod
+    lines = {line.split()[0]: line for line in seen["doctor"]}
+    assert lines["user-namespace"].startswith(
+        "user-namespace ok user namespace (uid_map 0->100000x65536): host uid 0 is not mapped"
+    )
+    owner = "uid 0" if kind == "idmap" else "uid 65534"
+    how = "through an idmapped mount" if kind == "idmap" else "on a mount without an idmapping"
+    assert lines["directory"] == (
+        f"directory ok directory, {owner}, mode 0711 (the host's uid 0 {how})"
+    )
+    assert lines["socket"] == f"socket ok socket, {owner}, mode 0666 (the host's uid 0 {how})"
+    assert lines["peer-uid"].startswith(
+        "peer-uid ok uid 65534 (pid 0): the overflow uid outside this PID namespace"
+    )
+    assert lines["peer-pid"] == "peer-pid ok pid 0: outside this PID namespace (the host's)"
+    assert lines["reply"] == f"reply ok host PID {seen['host_pid']}"
+
+
+def test_root_with_cap_sys_admin_on_its_own_tmpfs_is_refused(pod: tuple[str, dict]) -> None:
+    """
+    The pod's root, with CAP_SYS_ADMIN in its user namespace, mounts a tmpfs
+    over the broker directory in the client's own mount namespace, listens
+    there and makes it read-only: directory, socket and mount pass, but the
+    listener is one of this PID namespace's processes, shown as a UID the
+    pod maps, and the client refuses before a byte is sent.
+    """
+    kind, seen = pod
+    query = seen["tmpfs"]["query"]
+    assert query["check"] == "peer-uid", query
+    assert "uid 0 (pid " in query["observed"]
+    assert "not the overflow uid 65534" in query["observed"]
+    doctor = {line.split()[0]: line for line in seen["tmpfs"]["doctor"]}
+    assert doctor["directory"].startswith("directory ok directory, uid 0, mode 0755")
+    assert doctor["read-only-mount"] == "read-only-mount ok read-only"
+    assert doctor["peer-pid"].startswith("peer-pid FAIL ")
+    assert doctor["reply"] == "reply FAIL not tried: peer-uid failed"
+    assert str(usernspod.FAKE_PID) not in json.dumps(seen["tmpfs"])
+
+
+def test_nobody_cannot_take_the_path_and_its_own_listener_is_refused(
+    pod: tuple[str, dict]
+) -> None:
+    """
+    The pod's nobody (65534: a UID the pod maps, the same number as the
+    overflow UID) can neither bind in the read-only broker directory nor
+    mount; a listener of its own, in a directory it owns, is refused.
+    """
+    kind, seen = pod
+    nobody = seen["nobody"]
+    assert nobody["bind"] == "EROFS"
+    assert nobody["mount"] == "EPERM"
+    assert nobody["query"] == {"check": "read-only-mount", "observed": "read-write mount"}
+
+
+def test_cap_sys_admin_pod_writes_the_host_directory_only_through_an_idmapped_mount(
+    pod: tuple[str, dict]
+) -> None:
+    """
+    What decides which mount the node must give: the pod's root with
+    CAP_SYS_ADMIN in its user namespace can make its broker mount writable
+    (a mount made inside its mount namespace is not locked).  Through an
+    idmapped mount the host's root-owned directory is then its own and it
+    creates a file in the host's broker directory; through a plain mount
+    the owner stays unmapped and the write is refused.
+    """
+    kind, seen = pod
+    assert seen["remount"]["remount"] == "writable"
+    assert seen["remount"]["write"] == ("created" if kind == "idmap" else "EACCES")
+
+
+def test_lock_parent_idmapped_makes_pod_root_its_owner(pod: tuple[str, dict]) -> None:
+    """
+    The lock parent read-write and idmapped: with no capability at all, the
+    pod's root owns the host's root-owned mountpoint directory and removes
+    it (which detaches the broker mount in every container bound on it);
+    mounted plain, it owns nothing there (the sticky bit refuses: EPERM).
+    """
+    kind, seen = pod
+    lock = seen["lock_parent"]
+    if kind == "idmap":
+        assert lock == {"owner": 0, "rmdir": "removed"}
+        assert not seen["lock_parent_left"]
+    else:
+        assert lock == {"owner": usernspod.NOBODY, "rmdir": "EPERM"}
+        assert seen["lock_parent_left"]
