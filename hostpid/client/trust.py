@@ -337,7 +337,8 @@ def check_peer(
     if credentials.uid != trusted_uid:
         return CheckResult(
             PEER_UID, False,
-            f"{observed}: not uid {trusted_uid}{userns.owner_hint(credentials.uid, namespace, trusted_uid)}",
+            f"{observed}: not uid {trusted_uid}"
+            f"{userns.owner_hint(credentials.uid, namespace, trusted_uid)}",
         )
     return CheckResult(PEER_UID, True, observed)
 

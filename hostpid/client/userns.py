@@ -101,7 +101,9 @@ class UserNamespace(Value):
             return f"user namespace unknown ({UID_MAP_PATH} unreadable)"
         if self.initial:
             return "initial user namespace"
-        extents = ", ".join(f"{inside}->{outside}x{count}" for inside, outside, count in self.uid_map)
+        extents = ", ".join(
+            f"{inside}->{outside}x{count}" for inside, outside, count in self.uid_map
+        )
         return f"user namespace (uid_map {extents})"
 
 

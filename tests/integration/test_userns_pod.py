@@ -27,7 +27,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 import usernspod
 from kernelfeatures import kernel_feature
 from support import BrokerProcess, require_root, skip_or_fail, subprocess_env
