@@ -30,6 +30,7 @@ import json
 import os
 import socket
 import struct
+import subprocess
 import sys
 import time
 
@@ -211,6 +212,30 @@ def _query(socket_path: str) -> dict:
         return {"check": problem.check, "observed": problem.observed}
 
 
+def _c_query(c_client: str, socket_path: str) -> dict:
+    """
+    The C contract client's one line (stdout on success, stderr on refusal)
+    and its host PID, read while a barrier holds it: this pod keeps the
+    host's procfs, where C{/proc/self} is this process's host entry and its
+    C{children} name the client by its host PID.
+    """
+    if not c_client:
+        return {}
+    barrier_read, barrier_write = os.pipe()
+    client = subprocess.Popen(
+        [c_client, "--socket", socket_path, "--barrier-fd", str(barrier_read)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, pass_fds=(barrier_read,),
+        env={"LIBVGPU_HOSTPID_BROKER": "1"},
+    )
+    os.close(barrier_read)
+    (task,) = os.listdir("/proc/self/task")
+    with open(f"/proc/self/task/{task}/children", encoding="ascii") as children:
+        host_pids = [int(pid) for pid in children.read().split()]
+    os.close(barrier_write)
+    out, err = client.communicate(timeout=30)
+    return {"line": (out or err).strip(), "ns_pid": client.pid, "host_pids": host_pids}
+
+
 def _doctor(socket_path: str) -> list[str]:
     import io
 
@@ -229,7 +254,7 @@ def _listen_at(path: str) -> socket.socket:
     return listener
 
 
-def _impersonate_on_tmpfs(target: str, socket_path: str) -> dict:
+def _impersonate_on_tmpfs(target: str, socket_path: str, c_client: str) -> dict:
     """
     The pod's root, with CAP_SYS_ADMIN in its user namespace, mounts a
     tmpfs of its own over the broker's directory in the pod's (and so the
@@ -244,7 +269,8 @@ def _impersonate_on_tmpfs(target: str, socket_path: str) -> dict:
     listener.close()
     try:
         # The client is another process of the pod, as a workload is.
-        return _in_child(lambda: {"query": _query(socket_path), "doctor": _doctor(socket_path)})
+        return _in_child(lambda: {"query": _query(socket_path), "doctor": _doctor(socket_path),
+                                  "c_query": _c_query(c_client, socket_path)})
     finally:
         os.kill(pid, 9)
         os.waitpid(pid, 0)
@@ -334,7 +360,7 @@ def _lock_parent(lock_mount: str) -> dict:
     return found
 
 
-def pod(directory: str) -> None:
+def pod(directory: str, c_client: str = "") -> None:
     _load_client()
     target = os.path.join(directory, "mnt", "hostpid")
     socket_path = os.path.join(target, "broker.sock")
@@ -355,12 +381,13 @@ def pod(directory: str) -> None:
             "ns_pid": os.getpid(),
             "uid_map": open("/proc/self/uid_map", encoding="ascii").read().split(),
             "query": _query(socket_path),
+            "c_query": _c_query(c_client, socket_path),
             "doctor": _doctor(socket_path),
             "nobody": _in_child(lambda: _nobody(target, os.path.join(directory, "nobody")),
                                 uid=NOBODY),
             "remount": _in_child(lambda: _remount_writable(target)),
         }
-        result["tmpfs"] = _in_child(lambda: _impersonate_on_tmpfs(target, socket_path))
+        result["tmpfs"] = _in_child(lambda: _impersonate_on_tmpfs(target, socket_path, c_client))
         lock_mount = os.path.join(directory, "mnt", "lock")
         if os.path.isdir(os.path.join(lock_mount, "hostpid")):
             result["lock_parent"] = _in_child(lambda: _lock_parent(lock_mount))
@@ -378,7 +405,7 @@ def pod(directory: str) -> None:
 
 def main(argv: list[str]) -> None:
     if argv[0] == "pod":
-        pod(argv[1])
+        pod(*argv[1:3])
     elif argv[0] == "mount":
         make_broker_mount(int(argv[1]), argv[2], argv[3], argv[4])
         if len(argv) > 5:

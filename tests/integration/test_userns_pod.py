@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 import usernspod
+from clienttools import build_c_client
 from kernelfeatures import kernel_feature
 from support import BrokerProcess, require_root, skip_or_fail, subprocess_env
 
@@ -38,7 +39,18 @@ KINDS = [IDMAP, "plain"]
 POD_NOBODY = usernspod.POD_BASE + usernspod.NOBODY
 
 
-def _run_pod(kind: str) -> dict:
+@pytest.fixture(scope="module")
+def c_client() -> Iterator[Path]:
+    """The C contract client, where the pod's root can run it (a 0755 directory)."""
+    require_root()
+    directory = Path(tempfile.mkdtemp(prefix="hostpid-userns-c-", dir="/tmp"))
+    try:
+        yield build_c_client(directory)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _run_pod(kind: str, c_client: Path) -> dict:
     require_root()
     directory = Path(tempfile.mkdtemp(prefix="hostpid-userns-", dir="/tmp"))
     try:
@@ -58,7 +70,7 @@ def _run_pod(kind: str) -> dict:
         with BrokerProcess(directory / "broker") as broker:
             broker.wait_listening()
             pod = subprocess.Popen(
-                [sys.executable, usernspod.__file__, "pod", str(directory)],
+                [sys.executable, usernspod.__file__, "pod", str(directory), str(c_client)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 text=True, env=env,
             )
@@ -90,8 +102,8 @@ def _run_pod(kind: str) -> dict:
 
 
 @pytest.fixture(scope="module", params=KINDS)
-def pod(request: pytest.FixtureRequest) -> Iterator[tuple[str, dict]]:
-    yield request.param, _run_pod(request.param)
+def pod(request: pytest.FixtureRequest, c_client: Path) -> Iterator[tuple[str, dict]]:
+    yield request.param, _run_pod(request.param, c_client)
 
 
 def test_client_gets_its_own_host_pid(pod: tuple[str, dict]) -> None:
@@ -103,6 +115,11 @@ def test_client_gets_its_own_host_pid(pod: tuple[str, dict]) -> None:
     assert seen["ns_pid"] == 1
     assert seen["uid_map"] == ["0", str(usernspod.POD_BASE), str(usernspod.POD_SIZE)]
     assert seen["query"] == {"pid": seen["host_pid"]}, seen["query"]
+    # The C contract client (HAMi-core's rule with the same change) agrees:
+    # the broker's answer, then its own getpid() in the pod's PID namespace.
+    c_query = seen["c_query"]
+    (c_host_pid,) = c_query["host_pids"]
+    assert c_query["line"] == f"{c_host_pid} {c_query['ns_pid']}", c_query
 
 
 def test_doctor_names_the_user_namespace_and_each_value(pod: tuple[str, dict]) -> None:
@@ -142,6 +159,11 @@ def test_root_with_cap_sys_admin_on_its_own_tmpfs_is_refused(pod: tuple[str, dic
     assert doctor["read-only-mount"] == "read-only-mount ok read-only"
     assert "is inside this process's PID namespace" in doctor["peer-pid"]
     assert doctor["reply"] == "reply FAIL not tried: peer-uid failed"
+    c_line = seen["tmpfs"]["c_query"]["line"]
+    assert c_line.startswith("hostpid_client: peer-uid: uid 0 (pid "), c_line
+    assert c_line.endswith(
+        "not the overflow uid 65534 with pid 0 (user namespace)"
+    )
     assert str(usernspod.FAKE_PID) not in json.dumps(seen["tmpfs"])
 
 
