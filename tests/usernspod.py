@@ -323,8 +323,8 @@ def _remount_writable(target: str) -> dict:
     name = os.path.join(target, "written-by-pod")
     try:
         fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        found["owner_here"] = os.fstat(fd).st_uid
         os.close(fd)
-        os.unlink(name)
         found["write"] = "created"
     except OSError as error:
         found["write"] = _error(error)

@@ -95,6 +95,10 @@ def _run_pod(kind: str, c_client: Path) -> dict:
             assert pod.returncode == 0, err
             result = json.loads(out)
             result["lock_parent_left"] = (lock_parent / "hostpid").is_dir()
+            written = directory / "broker" / "written-by-pod"
+            result["written_host_owner"] = (
+                written.lstat().st_uid if written.exists() else None
+            )
             result["broker_log"] = broker.output()
             return result
     finally:
@@ -195,7 +199,12 @@ def test_cap_sys_admin_pod_writes_the_host_directory_only_through_an_idmapped_mo
     """
     kind, seen = pod
     assert seen["remount"]["remount"] == "writable"
-    assert seen["remount"]["write"] == ("created" if kind == "idmap" else "EACCES")
+    if kind == "idmap":
+        assert seen["remount"] == {"remount": "writable", "write": "created", "owner_here": 0}
+        assert seen["written_host_owner"] == 0, "created as the host's root"
+    else:
+        assert seen["remount"] == {"remount": "writable", "write": "EACCES"}
+        assert seen["written_host_owner"] is None
 
 
 def test_lock_parent_idmapped_makes_pod_root_its_owner(pod: tuple[str, dict]) -> None:
