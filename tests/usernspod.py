@@ -32,7 +32,6 @@ import socket
 import struct
 import subprocess
 import sys
-import time
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
@@ -116,9 +115,7 @@ def write_maps(pid: int) -> None:
             out.write(f"0 {POD_BASE} {POD_SIZE}\n")
 
 
-def make_broker_mount(
-    pid: int, source: str, target: str, kind: str, read_only: bool = True
-) -> None:
+def make_broker_mount(pid: int, source: str, target: str, kind: str) -> None:
     """
     A detached read-only clone of C{source} (idmapped with the pod's user
     namespace for C{idmap}), moved onto C{target} in the pod's mount
@@ -126,13 +123,12 @@ def make_broker_mount(
     to a threaded process).
     """
     tree = open_tree(source, OPEN_TREE_CLONE | os.O_CLOEXEC)
-    flags = MOUNT_ATTR_RDONLY if read_only else 0
     if kind == "idmap":
         userns = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
-        mount_setattr(tree, flags | MOUNT_ATTR_IDMAP, userns)
+        mount_setattr(tree, MOUNT_ATTR_RDONLY | MOUNT_ATTR_IDMAP, userns)
         os.close(userns)
-    elif flags:
-        mount_setattr(tree, flags)
+    else:
+        mount_setattr(tree, MOUNT_ATTR_RDONLY)
     mnt = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
     setns(mnt, CLONE_NEWNS)
     move_mount(tree, target)
@@ -417,5 +413,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    started = time.monotonic()
     main(sys.argv[1:])

@@ -262,7 +262,9 @@ def test_user_namespace_answers_the_host_pid(
     assert_user_namespace_served(cell, "0->100000x65536")
 
 
-def test_rootless_podman_answers_the_host_pid(workdir: Path, node: Node, c_client_dir: Path) -> None:
+def test_rootless_podman_answers_the_host_pid(
+    workdir: Path, node: Node, c_client_dir: Path
+) -> None:
     podman = RootlessPodman(fresh(workdir, "p"))
     podman.extra_binds.append((str(c_client_dir), "/e2e/cclient"))
     try:
