@@ -108,11 +108,11 @@ def move_mount(fd: int, target: str) -> None:
                          ctypes.c_uint(MOVE_MOUNT_F_EMPTY_PATH)), "move_mount")
 
 
-def write_maps(pid: int) -> None:
+def write_maps(pid: int, base: int = POD_BASE) -> None:
     """Host root writes the pod's mapping, as a runtime does."""
     for name in ("uid_map", "gid_map"):
         with open(f"/proc/{pid}/{name}", "w", encoding="ascii") as out:
-            out.write(f"0 {POD_BASE} {POD_SIZE}\n")
+            out.write(f"0 {base} {POD_SIZE}\n")
 
 
 def make_broker_mount(pid: int, source: str, target: str, kind: str) -> None:
@@ -399,9 +399,54 @@ def pod(directory: str, c_client: str = "") -> None:
     print(json.dumps(result), flush=True)
 
 
+def neighbour(role: str, target: str) -> None:
+    """
+    One of two pods on one node, each with its own user namespace and its
+    own broker mount of the same host directory.  The C{forger} (root with
+    CAP_SYS_ADMIN in its user namespace) makes its broker mount writable,
+    replaces the broker's socket in the host's directory with its own and
+    serves a forged PID until told to stop; the C{asker} asks.
+    """
+    _load_client()
+    unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID)
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    print(f"unshared {os.getpid()}", flush=True)
+    if sys.stdin.readline().strip() != "go":
+        raise SystemExit("no go from the host")
+    become(0)
+    init = os.fork()
+    if init == 0:
+        socket_path = os.path.join(target, "broker.sock")
+        if role == "asker":
+            print(json.dumps({"query": _query(socket_path)}), flush=True)
+            os._exit(0)
+        steps: dict = {}
+        try:
+            mount(None, target, None, MS_REMOUNT | MS_BIND)
+            steps["remount"] = "writable"
+            os.unlink(socket_path)
+            steps["unlink"] = "done"
+            listener = _listen_at(socket_path)
+            steps["listen"] = "done"
+        except OSError as error:
+            steps["error"] = _error(error)
+            print(json.dumps(steps), flush=True)
+            os._exit(0)
+        server = os.fork()
+        if server == 0:
+            _serve_fake(listener)
+        print(json.dumps(steps), flush=True)
+        sys.stdin.readline()
+        os.kill(server, 9)
+        os._exit(0)
+    os.waitpid(init, 0)
+
+
 def main(argv: list[str]) -> None:
     if argv[0] == "pod":
         pod(*argv[1:3])
+    elif argv[0] == "neighbour":
+        neighbour(argv[1], argv[2])
     elif argv[0] == "mount":
         make_broker_mount(int(argv[1]), argv[2], argv[3], argv[4])
         if len(argv) > 5:

@@ -222,3 +222,72 @@ def test_lock_parent_idmapped_makes_pod_root_its_owner(pod: tuple[str, dict]) ->
     else:
         assert lock == {"owner": usernspod.NOBODY, "rmdir": "EPERM"}
         assert seen["lock_parent_left"]
+
+
+def _start_neighbour(role: str, target: Path, source: Path, kind: str, base: int,
+                     env: dict[str, str]) -> subprocess.Popen[str]:
+    pod = subprocess.Popen(
+        [sys.executable, usernspod.__file__, "neighbour", role, str(target)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env,
+    )
+    line = pod.stdout.readline()  # type: ignore[union-attr]
+    if not line.startswith("unshared "):
+        pod.kill()
+        skip_or_fail(f"cannot make a user namespace: {pod.communicate()[1]}")
+    pid = int(line.split()[1])
+    usernspod.write_maps(pid, base)
+    subprocess.run(
+        [sys.executable, usernspod.__file__, "mount", str(pid), str(source), str(target), kind],
+        check=True, env=env, capture_output=True, text=True, timeout=30,
+    )
+    pod.stdin.write("go\n")  # type: ignore[union-attr]
+    pod.stdin.flush()  # type: ignore[union-attr]
+    return pod
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_one_pod_with_cap_sys_admin_and_another_pods_client(kind: str) -> None:
+    """
+    Two user-namespaced pods on one node, each with the broker directory
+    mounted read-only.  The first adds CAP_SYS_ADMIN: it makes its broker
+    mount writable and replaces the broker's socket in the host's directory
+    with a listener of its own.  Through an idmapped mount it can (it owns
+    the directory through the idmapping, and its socket is created as the
+    host's root), and the second pod's client, whose rule accepts the
+    overflow UID with PID 0, takes the forged PID: the node must not give an
+    idmapped broker mount to a pod that adds CAP_SYS_ADMIN (docs/userns.md).
+    Through a plain mount the replacement fails and the second pod is told
+    its own PID.
+    """
+    require_root()
+    directory = Path(tempfile.mkdtemp(prefix="hostpid-userns-2-", dir="/tmp"))
+    forger = asker = None
+    try:
+        directory.chmod(0o755)
+        for name in ("forger", "asker"):
+            (directory / name).mkdir(mode=0o755)
+        env = subprocess_env()
+        with BrokerProcess(directory / "broker") as broker:
+            broker.wait_listening()
+            forger = _start_neighbour("forger", directory / "forger", directory / "broker",
+                                      kind, usernspod.POD_BASE, env)
+            steps = json.loads(forger.stdout.readline())  # type: ignore[union-attr]
+            asker = _start_neighbour("asker", directory / "asker", directory / "broker",
+                                     kind, usernspod.POD_BASE + usernspod.POD_SIZE, env)
+            asked = json.loads(asker.stdout.readline())  # type: ignore[union-attr]
+            host_socket = (directory / "broker" / "broker.sock").lstat()
+        if kind == "idmap":
+            assert steps == {"remount": "writable", "unlink": "done", "listen": "done"}
+            assert host_socket.st_uid == 0, "the forger's socket is the host root's"
+            assert asked == {"query": {"pid": usernspod.FAKE_PID}}
+        else:
+            assert steps == {"remount": "writable", "error": "EACCES"}
+            assert set(asked["query"]) == {"pid"}
+            assert asked["query"]["pid"] != usernspod.FAKE_PID
+    finally:
+        for pod in (forger, asker):
+            if pod is not None:
+                if pod.poll() is None:
+                    pod.communicate("\n", timeout=30)
+        shutil.rmtree(directory, ignore_errors=True)
