@@ -63,10 +63,21 @@ def test_user_namespace_peer_needs_the_overflow_uid_and_pid_zero() -> None:
     nobody_here = trust.check_peer(PeerCredentials(17, 65534, 65534), 0, POD)
     assert not nobody_here.ok
     assert "only pid 0 (outside this PID namespace)" in nobody_here.observed
-    for uid in (0, 1000):
-        refused = trust.check_peer(PeerCredentials(0, uid, uid), 0, POD)
-        assert not refused.ok
-        assert f"uid {uid} is one this namespace maps" in refused.observed
+    refused = trust.check_peer(PeerCredentials(0, 1000, 1000), 0, POD)
+    assert not refused.ok
+    assert "uid 1000 is one this namespace maps" in refused.observed
+
+
+def test_user_namespace_trusted_uid_as_shown_leaves_the_pid_to_peer_pid() -> None:
+    """
+    The pod's own root (or a test double it runs) shows as the trusted UID:
+    peer-uid passes it as the host's rule would, and peer-pid refuses it
+    when it is a process of this PID namespace.
+    """
+    here = trust.check_peer(PeerCredentials(17, 0, 0), 0, POD)
+    assert here.ok and "as this user namespace shows it" in here.observed
+    caller = trust.peerpid.CallerProcess(5, 4026532000)
+    assert not trust.check_peer_pid(PeerCredentials(17, 0, 0), caller).ok
 
 
 def test_user_namespace_owner_as_a_mount_shows_the_hosts_root() -> None:

@@ -242,6 +242,18 @@ def _doctor(socket_path: str) -> list[str]:
     return out.getvalue().splitlines()
 
 
+def _fake_broker() -> dict:
+    """The test double, run by the pod's root for its own tests: still answers."""
+    from hostpid.client.blocking import HostPidUnavailable, query_host_pid
+    from hostpid.testing import FakeBroker
+
+    with FakeBroker(pid=FAKE_PID) as broker:
+        try:
+            return {"pid": query_host_pid(broker.policy, broker.environ)}
+        except HostPidUnavailable as problem:
+            return {"check": problem.check, "observed": problem.observed}
+
+
 def _listen_at(path: str) -> socket.socket:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
@@ -336,7 +348,7 @@ def _load_client() -> None:
     import encodings.ascii  # noqa: F401
     import io  # noqa: F401
 
-    from hostpid import cli, wire  # noqa: F401
+    from hostpid import cli, testing, wire  # noqa: F401
     from hostpid.client import blocking, mountpoint, trust, userns  # noqa: F401
 
 
@@ -384,6 +396,7 @@ def pod(directory: str, c_client: str = "") -> None:
             "remount": _in_child(lambda: _remount_writable(target)),
         }
         result["tmpfs"] = _in_child(lambda: _impersonate_on_tmpfs(target, socket_path, c_client))
+        result["fake_broker"] = _in_child(_fake_broker)
         lock_mount = os.path.join(directory, "mnt", "lock")
         if os.path.isdir(os.path.join(lock_mount, "hostpid")):
             result["lock_parent"] = _in_child(lambda: _lock_parent(lock_mount))

@@ -19,7 +19,8 @@
  * hostUsers: false; docs/userns.md argues the rule) the owner and peer
  * checks change, and only there: the directory and the socket may show the
  * host's root as the trusted UID (an idmapped mount) or as the overflow UID
- * (a plain one), and the listener must show as the overflow UID with PID 0.
+ * (a plain one), and the listener as the trusted UID (peer-pid then judges
+ * its PID) or as the overflow UID with PID 0.
  * The initial user namespace (uid_map "0 0 4294967295") keeps the trusted
  * UID exactly; an unreadable uid_map is judged as the initial one.
  *
@@ -400,10 +401,12 @@ int main(int argc, char **argv)
         credentials_error = errno;
         if (!(options.skipped & SKIP_PEER_UID))
             return fail("peer-uid", "cannot read SO_PEERCRED: %s", strerror(errno));
-    } else if (!(options.skipped & SKIP_PEER_UID) && ns.unmaps_trusted) {
+    } else if (!(options.skipped & SKIP_PEER_UID) && ns.unmaps_trusted &&
+               credentials.uid != options.trusted_uid) {
         /* The host's root shows as the overflow uid, which the pod maps too
          * (its nobody): only pid 0, a listener outside this PID namespace,
-         * sets the host's broker apart. */
+         * sets the host's broker apart.  The trusted uid as shown here
+         * passes as on the host, and peer-pid judges its PID. */
         if (credentials.uid != ns.overflow_uid || credentials.pid != 0)
             return fail("peer-uid", "uid %u (pid %d): not the overflow uid %u with pid 0 "
                         "(user namespace)", (unsigned)credentials.uid, (int)credentials.pid,

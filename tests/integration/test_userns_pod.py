@@ -149,26 +149,35 @@ def test_root_with_cap_sys_admin_on_its_own_tmpfs_is_refused(pod: tuple[str, dic
     """
     The pod's root, with CAP_SYS_ADMIN in its user namespace, mounts a tmpfs
     over the broker directory in the client's own mount namespace, listens
-    there and makes it read-only: directory, socket and mount pass, but the
-    listener is one of this PID namespace's processes, shown as a UID the
-    pod maps, and the client refuses before a byte is sent.
+    there and makes it read-only: directory, socket and mount pass, and so
+    does peer-uid (the pod's root shows as UID 0, as the host's rule would
+    see it), but the listener is one of this PID namespace's processes and
+    peer-pid refuses before a byte is sent.
     """
     kind, seen = pod
     query = seen["tmpfs"]["query"]
-    assert query["check"] == "peer-uid", query
-    assert "uid 0 (pid " in query["observed"]
-    assert "not the overflow uid 65534" in query["observed"]
+    assert query["check"] == "peer-pid", query
+    assert "is inside this process's PID namespace" in query["observed"]
     doctor = {line.split()[0]: line for line in seen["tmpfs"]["doctor"]}
     assert doctor["directory"].startswith("directory ok directory, uid 0, mode 0755")
     assert doctor["read-only-mount"] == "read-only-mount ok read-only"
+    assert doctor["peer-uid"].endswith("uid 0 as this user namespace shows it")
     assert "is inside this process's PID namespace" in doctor["peer-pid"]
-    assert doctor["reply"] == "reply FAIL not tried: peer-uid failed"
+    assert doctor["reply"] == "reply FAIL not tried: peer-pid failed"
     c_line = seen["tmpfs"]["c_query"]["line"]
-    assert c_line.startswith("hostpid_client: peer-uid: uid 0 (pid "), c_line
-    assert c_line.endswith(
-        "not the overflow uid 65534 with pid 0 (user namespace)"
-    )
+    assert c_line.startswith("hostpid_client: peer-pid: pid "), c_line
+    assert "is inside this process's PID namespace" in c_line
     assert str(usernspod.FAKE_PID) not in json.dumps(seen["tmpfs"])
+
+
+def test_fake_broker_still_serves_the_pods_own_tests(pod: tuple[str, dict]) -> None:
+    """
+    L{hostpid.testing.FakeBroker} in a user-namespaced container: its
+    listener shows as its own UID, which the rule still accepts as the host's
+    rule would (its policy turns off peer-pid, as everywhere).
+    """
+    kind, seen = pod
+    assert seen["fake_broker"] == {"pid": usernspod.FAKE_PID}
 
 
 def test_nobody_cannot_take_the_path_and_its_own_listener_is_refused(
