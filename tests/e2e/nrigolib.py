@@ -33,7 +33,7 @@ import os
 import subprocess
 import tempfile
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +72,8 @@ CRI_API_SUITE = "trixie"
 def gopath(release: NriRelease) -> str:
     parts = []
     for package in release.packages:
-        suite = CRI_API_SUITE if package == "golang-github-kubernetes-cri-api-dev" else release.suite
+        cri_api = package == "golang-github-kubernetes-cri-api-dev"
+        suite = CRI_API_SUITE if cri_api else release.suite
         parts.append(str(unpacked_package(suite, package) / "usr" / "share" / "gocode"))
     parts.append(str(SYSTEM_GOPATH))
     return ":".join(parts)
@@ -137,7 +138,7 @@ def nri_container(name: str, pod: dict[str, Any], *, env: dict[str, str] | None 
     if devices:
         container["linux"] = {"devices": [
             {"path": path, "type": "c", "major": "195", "minor": str(minor),
-             "fileMode": 0o666, "uid": 0, "gid": 0}
+             "fileMode": {"value": 0o666}, "uid": {"value": 0}, "gid": {"value": 0}}
             for minor, path in enumerate(devices)]}
     return container
 
@@ -155,10 +156,25 @@ class Driven:
         return cases
 
     def adjustment(self, index: int) -> dict[str, Any]:
+        """
+        The merged adjustment of case C{index}, without the empty parts the
+        runtime side fills in before any plugin answers (C{hooks: {}},
+        C{linux.resources.memory: {}}...).
+        """
         case = self.cases[index]
         assert case["error"] == "", (case, self.stderr)
-        adjust: dict[str, Any] = (case["response"] or {}).get("adjust", {})
+        adjust: dict[str, Any] = pruned((case["response"] or {}).get("adjust", {})) or {}
         return adjust
+
+
+def pruned(value: Any) -> Any:
+    """C{value} without empty objects and lists, recursively (None when nothing is left)."""
+    if isinstance(value, dict):
+        kept = {k: v for k, v in ((k, pruned(v)) for k, v in value.items()) if v is not None}
+        return kept or None
+    if isinstance(value, list):
+        return [pruned(v) if isinstance(v, dict | list) else v for v in value] or None
+    return value
 
 
 @contextmanager
@@ -182,14 +198,23 @@ def plugin_process(argv: Sequence[str], env: dict[str, str] | None = None,
             output.close()  # type: ignore[union-attr]
 
 
-def drive(programs: NriPrograms, plugin_argv: Sequence[str], request: dict[str, Any],
-          socket: Path, env: dict[str, str] | None = None, plugins: int = 1,
-          timeout: float = 120.0, log: Path | None = None) -> Driven:
+@attrs.frozen
+class PluginRun:
+    """A plugin process to start once the runtime side listens."""
+
+    argv: Sequence[str]
+    env: dict[str, str] | None = None
+    log: Path | None = None
+
+
+def drive(programs: NriPrograms, plugins: Sequence[PluginRun], request: dict[str, Any],
+          socket: Path, timeout: float = 120.0) -> Driven:
     """
-    Run nrigo on C{socket}, start the plugin once it listens, and return
-    nrigo's answer once it has sent every case (the plugin is stopped then).
+    Run nrigo on C{socket}, start the plugins once it listens, and return
+    nrigo's answer once every plugin has registered and every case has been
+    sent (the plugins are stopped then).
     """
-    document = {"socket": str(socket), "plugins": plugins, "waitSeconds": 30, **request}
+    document = {"socket": str(socket), "plugins": len(plugins), "waitSeconds": 30, **request}
     with tempfile.TemporaryFile() as stdin:
         stdin.write(json.dumps(document).encode())
         stdin.seek(0)
@@ -201,7 +226,9 @@ def drive(programs: NriPrograms, plugin_argv: Sequence[str], request: dict[str, 
         first = runtime.stdout.readline()
         assert json.loads(first or b"null") == {"listening": str(socket)}, (
             first, runtime.stderr.read() if runtime.stderr else "")
-        with plugin_process(plugin_argv, env, log):
+        with ExitStack() as stack:
+            for plugin in plugins:
+                stack.enter_context(plugin_process(plugin.argv, plugin.env, plugin.log))
             out, err = runtime.communicate(timeout=timeout)
     finally:
         if runtime.poll() is None:
