@@ -86,6 +86,30 @@ CALL_TIMEOUT = 60.0
 
 SHIM_SOCKET_ROOT = Path("/run/containerd/s")
 
+#: Debian's CNI plugins (containernetworking-plugins): its C{loopback}.
+CNI_BIN = Path("/usr/lib/cni")
+
+#: The pod network: a network namespace of the pod's own, with only its
+#: loopback up.  A pod that must not use the node's network (Pod Security
+#: C{baseline} and C{restricted} refuse C{hostNetwork}) runs with no route
+#: anywhere, which is all the tests need.  containerd attaches its own
+#: loopback network (Debian's CNI C{loopback} plugin) and then one more
+#: configured network, from whose result it takes the pod's IP
+#: (C{eth0}'s): L{NETWORK_PLUGIN} reports one and creates nothing, so a run
+#: makes no interface, bridge or route on the node.
+NETWORK = {"cniVersion": "0.4.0", "name": "hostpid-e2e",
+           "plugins": [{"type": "hostpid-e2e-net"}]}
+
+NETWORK_PLUGIN = """\
+#!/bin/sh
+# A CNI plugin that reports an address and creates nothing (tests only).
+case "$CNI_COMMAND" in
+  ADD) printf '{"cniVersion":"0.4.0","interfaces":[{"name":"eth0","sandbox":"%s"}],\
+"ips":[{"version":"4","address":"192.0.2.2/32","interface":0}]}' "$CNI_NETNS" ;;
+  VERSION) printf '{"cniVersion":"0.4.0","supportedVersions":["0.3.0","0.3.1","0.4.0"]}' ;;
+esac
+"""
+
 
 def unpacked_package(suite: str, package: str) -> Path:
     """
@@ -264,8 +288,7 @@ def config_toml(workdir: Path, runc: str, config_version: int = 2,
     containerd's configuration: everything private to C{workdir}; the CRI
     plugin with CDI on, reading specs from C{workdir/cdi} only; the test
     image as the sandbox image; runc through the v2 shim, cgroupfs driver;
-    NRI as L{nri_section} says.  No CNI configuration: the tests' sandboxes
-    use the node's network.
+    NRI as L{nri_section} says.  The pod network is L{NETWORK}.
     """
     if config_version == 3:
         return config_toml_v3(workdir, runc, nri_socket)
@@ -297,6 +320,9 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
   # The sandbox's oom_score_adj (-998) clamped to containerd's own: this
   # machine (itself a container) does not let root lower it.
   restrict_oom_score_adj = true
+  # A pod network's namespace is mounted under the state directory, not the
+  # node's /var/run/netns, so that a run leaves nothing outside its own.
+  netns_mounts_under_state_dir = true
 
 [{cri}.containerd]
   snapshotter = "overlayfs"
@@ -357,6 +383,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
   disable_apparmor = true
   enable_selinux = false
   restrict_oom_score_adj = true
+  netns_mounts_under_state_dir = true
 
 [{runtime}.containerd]
   default_runtime_name = "runc"
@@ -417,6 +444,11 @@ class Containerd:
         self.cgroup_parent = f"/hostpid-cri-e2e-{uuid.uuid4().hex[:8]}"
         for sub in ("cdi", "pods", "cni/bin", "cni/net.d"):
             (workdir / sub).mkdir(parents=True, exist_ok=True)
+        (workdir / "cni" / "net.d" / "10-hostpid-e2e.conflist").write_text(json.dumps(NETWORK))
+        plugin = workdir / "cni" / "bin" / "hostpid-e2e-net"
+        plugin.write_text(NETWORK_PLUGIN)
+        plugin.chmod(0o755)
+        (workdir / "cni" / "bin" / "loopback").symlink_to(CNI_BIN / "loopback")
         self.runc = os.path.realpath(require_tool("runc"))
         #: containerd's shims listen under C{/run/containerd/s} whatever the
         #: configuration says (runtime/v2/shim/util_unix.go C{socketRoot});
