@@ -510,3 +510,4 @@ def test_fifty_containers_created_at_once_are_all_adjusted(
     print(f"\n[nri] {CONCURRENT} concurrent CreateContainer: median {seconds[len(seconds)//2]:.3f}s"
           f" max {seconds[-1]:.3f}s")
     assert [g == want for g in got] == [True] * CONCURRENT, got
+
