@@ -98,11 +98,16 @@ def test_frame_claiming_four_gibibytes(where: Path) -> None:
         connection = runtime.accept(WAIT_SECONDS)
         connection.handshake()
         before = rss_kib(process.pid)
-        connection.send_raw(b"\x00\x00\x00\x01\xff\xff\xff\xff" + b"\0" * 65536)
+        # The multiplexer's header claims 4 GiB (on an id nobody opened, whose
+        # bytes would otherwise be dropped as they come)...
+        connection.send_raw(b"\x00\x00\x00\x07\xff\xff\xff\xff" + b"\0" * 65536)
         assert connection.wait_closed(5), process.output()
+        # ...and ttrpc's header inside a well-formed multiplexed frame, on a
+        # registered connection (no registration timeout to close it).
         connection = runtime.accept(WAIT_SECONDS)
-        connection.send_raw(b"\x00\x00\x00\x01\x00\x00\x00\x0a"
-                            b"\xff\xff\xff\xff\x00\x00\x00\x01\x01\x00")
+        connection.handshake()
+        connection.send_raw(b"\x00\x00\x00\x01\x00\x01\x00\x0a"
+                            b"\xff\xff\xff\xff\x00\x00\x00\x01\x01\x00" + b"\1" * 65536)
         assert connection.wait_closed(5)
         assert rss_kib(process.pid) < before + 8 * 1024
         runtime.accept(WAIT_SECONDS).handshake()
