@@ -153,19 +153,22 @@ def test_client_violations_and_lost_connection() -> None:
     assert isinstance(results[0], Failure) and results[0].check(ConnectionError)
 
 
+def collecting(*conn_ids: int) -> tuple[Multiplexer, dict[int, bytes]]:
+    got = {conn_id: b"" for conn_id in conn_ids}
+    mux = Multiplexer(lambda data: None)
+    for conn_id in conn_ids:
+        mux.open(conn_id, lambda data, c=conn_id: got.__setitem__(c, got[c] + data))
+    return mux, got
+
+
 def test_mux_split_at_every_byte() -> None:
     stream = mux_frame(1, b"plugin bytes") + mux_frame(2, b"") + mux_frame(2, b"runtime")
     for cut in range(len(stream) + 1):
-        got: dict[int, bytes] = {1: b"", 2: b""}
-        mux = Multiplexer(lambda data: None)
-        mux.open(1, lambda data: got.__setitem__(1, got[1] + data))
-        mux.open(2, lambda data: got.__setitem__(2, got[2] + data))
+        mux, got = collecting(1, 2)
         mux.dataReceived(stream[:cut])
         mux.dataReceived(stream[cut:])
         assert got == {1: b"plugin bytes", 2: b"runtime"}, cut
-    got = {1: b"", 2: b""}
-    mux = Multiplexer(lambda data: None)
-    mux.open(1, lambda data: got.__setitem__(1, got[1] + data))
+    mux, got = collecting(1)
     for i in range(len(stream)):
         mux.dataReceived(stream[i:i + 1])
     assert got[1] == b"plugin bytes" and mux.dropped == len(b"runtime")

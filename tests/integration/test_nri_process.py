@@ -56,11 +56,13 @@ def cpu_seconds(pid: int) -> float:
 @pytest.fixture
 def where(tmp_path: Path) -> Path:
     (tmp_path / "broker").mkdir()
+    (tmp_path / "lock").mkdir()
     return tmp_path
 
 
 def plugin(where: Path, *args: str) -> NRIPluginProcess:
-    return NRIPluginProcess(where / "nri.sock", ["--broker-dir", str(where / "broker"), *args])
+    return NRIPluginProcess(where / "nri.sock", ["--broker-dir", str(where / "broker"),
+                                                 "--lock-parent", str(where / "lock"), *args])
 
 
 def test_registers_adjusts_and_comes_back_after_a_runtime_restart(where: Path) -> None:
@@ -73,8 +75,9 @@ def test_registers_adjusts_and_comes_back_after_a_runtime_restart(where: Path) -
             assert (registration.plugin_name, registration.plugin_idx) == ("hostpid", "90")
             wait_for(lambda: http_get(metrics, "/readyz")[0] == 200, "readyz 200")
             adjusted = connection.create_container(pod(), gpu_container()).adjust
-            assert [m.destination for m in adjusted.mounts] == ["/tmp/vgpulock",
-                                                                "/tmp/vgpulock/hostpid"]
+            assert [(m.destination, m.source) for m in adjusted.mounts] == [
+                ("/tmp/vgpulock", str(where / "lock")),
+                ("/tmp/vgpulock/hostpid", str(where / "broker"))]
             assert [(e.key, e.value) for e in adjusted.env] == [("LIBVGPU_HOSTPID_BROKER", "1")]
             forged = connection.create_container(pod(), container(
                 env=["NVIDIA_VISIBLE_DEVICES=all", "LIBVGPU_HOSTPID_BROKER=1"]))
