@@ -12,7 +12,9 @@ Why each check exists:
   host PID namespace, nothing of the host writable, no capability, root
   only for the runtime's socket, the runtime's socket directory mounted,
   the broker directory and the lock parent's directory read-only.
-- Its gate is the broker's, its options the values; the probes use its
+- Its gate is its own (C{nri.gate}, on after the broker and off before it:
+  the chart refuses it without the broker's), its options the values; the
+  probes use its
   C{/readyz} and C{/healthz}; no broker selector selects its pods.
 - The schema refuses a malformed index or signal before rendering.
 """
@@ -54,7 +56,7 @@ def test_objects_validate_and_lint(version: str) -> None:
 
 
 def test_plugin_daemonset_shape() -> None:
-    docs = render(merge(ON, sets("hostPIDBroker.enabled=true",
+    docs = render(merge(ON, sets("hostPIDBroker.enabled=true", "nri.gate=true",
                                         "nri.resources[0]=device:/dev/dri/renderD*",
                                         "nri.pluginIndex=95")))
     ds = plugin_daemonset(docs)
@@ -89,9 +91,19 @@ def test_a_numeric_index_is_two_digits() -> None:
     assert container["args"][container["args"].index("--plugin-index") + 1] == "07"
 
 
-def test_gate_follows_the_broker() -> None:
-    (container,) = plugin_daemonset(render(ON))["spec"]["template"]["spec"]["containers"]
-    assert {"name": "LIBVGPU_HOSTPID_BROKER", "value": "0"} in container["env"]
+def gate(values: dict[str, Any]) -> str:
+    (container,) = plugin_daemonset(render(values))["spec"]["template"]["spec"]["containers"]
+    (value,) = [e["value"] for e in container["env"] if e["name"] == "LIBVGPU_HOSTPID_BROKER"]
+    return str(value)
+
+
+def test_the_plugins_gate_is_its_own_and_never_without_the_brokers() -> None:
+    assert gate(ON) == "0"
+    assert gate(merge(ON, sets("hostPIDBroker.enabled=true"))) == "0"
+    assert gate(merge(ON, sets("devicePlugin.hostPIDBroker.enabled=true", "nri.gate=true"))) \
+        == "1"
+    assert str(refusal(merge(ON, sets("nri.gate=true")))).count(
+        "nri.gate=true requires hostPIDBroker.enabled=true") == 1
 
 
 @pytest.mark.parametrize("values", [
