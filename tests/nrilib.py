@@ -93,6 +93,37 @@ def gpu_container(name: str = "gpu", **kwargs: Any) -> api_pb2.Container:
     return container(name, **kwargs)
 
 
+class WireReader:
+    """What the plugin wrote, decoded: ttrpc frames per sub-connection (for in-memory tests)."""
+
+    def __init__(self) -> None:
+        self._trunk = b""
+        self._streams: dict[int, bytes] = {}
+
+    def feed(self, data: bytes) -> None:
+        self._trunk += data
+        while len(self._trunk) >= MUX.size:
+            conn_id, length = MUX.unpack_from(self._trunk)
+            if len(self._trunk) < MUX.size + length:
+                break
+            self._streams[conn_id] = (self._streams.get(conn_id, b"")
+                                      + self._trunk[MUX.size:MUX.size + length])
+            self._trunk = self._trunk[MUX.size + length:]
+
+    def frames(self, conn_id: int) -> list[tuple[int, int, int, bytes]]:
+        """The whole ttrpc messages on C{conn_id} so far (taken)."""
+        out = []
+        buffer = self._streams.get(conn_id, b"")
+        while len(buffer) >= TTRPC.size:
+            length, stream_id, type_, flags = TTRPC.unpack_from(buffer)
+            if len(buffer) < TTRPC.size + length:
+                break
+            out.append((stream_id, type_, flags, buffer[TTRPC.size:TTRPC.size + length]))
+            buffer = buffer[TTRPC.size + length:]
+        self._streams[conn_id] = buffer
+        return out
+
+
 class RemoteClosed(Exception):
     """The plugin closed the connection."""
 
@@ -266,7 +297,7 @@ class NRIPluginProcess:
         import subprocess
         import tempfile
 
-        from tests.support import TWISTD, subprocess_env
+        from support import TWISTD, subprocess_env
 
         environment = subprocess_env(dict(env or {}))
         environment.pop("LIBVGPU_HOSTPID_BROKER", None)

@@ -301,8 +301,9 @@ def decide(pod: api_pb2.PodSandbox, container: api_pb2.Container, config: Config
     """
     The adjustment for C{container} of C{pod}.
 
-    @param broker_present: the broker's directory exists on the host (the
-        caller looks): without it the mount would fail the container.
+    @param broker_present: the broker directory and the lock parent exist
+        on the host (the caller looks): a bind mount of a missing source
+        would fail the container's creation.
     """
     signal = allocation_signal(container, config.signals)
     if signal is None:
@@ -315,7 +316,8 @@ def decide(pod: api_pb2.PodSandbox, container: api_pb2.Container, config: Config
         return Decision(reason=GATE_OFF, detail=f"{GATE_ENV} is not exactly 1 for the plugin")
     if not broker_present:
         return Decision(reason=BROKER_ABSENT,
-                        detail=f"the broker directory {config.broker_dir} does not exist")
+                        detail=f"the broker directory {config.broker_dir} or the lock parent "
+                               f"{config.lock_parent} does not exist")
     wanted = _wanted(config)
     missing = []
     for want in wanted:

@@ -104,8 +104,10 @@ class Adjuster:
     """
     The decision, with the broker directory's presence, metrics and logs.
 
-    @param broker_present: looks at the host (L{os.path.isdir} of the
-        broker directory by default); injected for tests.
+    @param broker_present: looks at the host: both host paths the mounts
+        name (the broker directory and the lock parent) are directories.  A
+        bind mount of a missing source fails the container's creation, so
+        without them the container is left as it is.  Injected for tests.
     """
 
     log = Logger()
@@ -115,7 +117,8 @@ class Adjuster:
                  timer: Callable[[], float] = time.perf_counter) -> None:
         self.config = config
         self.metrics = metrics
-        self.broker_present = broker_present or (lambda: os.path.isdir(config.broker_dir))
+        self.broker_present = broker_present or (
+            lambda: os.path.isdir(config.broker_dir) and os.path.isdir(config.lock_parent))
         self.timer = timer
 
     def adjust(self, request: api_pb2.CreateContainerRequest) -> api_pb2.ContainerAdjustment:

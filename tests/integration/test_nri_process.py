@@ -1,0 +1,147 @@
+"""
+The real plugin process (C{twistd hostpid-nri}) against a fake runtime on a
+real Unix socket (L{nrilib.FakeRuntime}, written apart from the plugin's own
+framing).
+
+Why each check exists:
+
+- The contract end to end: registration as C{90-hostpid}, a GPU container
+  adjusted, a forged one not, C{/readyz} following the registration, and
+  the runtime restarting (its socket removed, then back) reconnected to
+  and registered again, the next container adjusted.
+- Hostile runtimes: a frame that claims 4 GiB closes the connection with
+  the plugin's memory unchanged and the plugin back; a runtime that never
+  answers the registration is left after the timeout and reconnected to;
+  one that accepts and closes at once is retried at a falling rate, with
+  the plugin using almost no CPU (no spin); the plugin stops on SIGTERM
+  whatever the runtime does.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+from nrilib import FakeRuntime, NRIPluginProcess, container, gpu_container, pod
+from support import WAIT_SECONDS, wait_for
+
+
+def http_get(path: Path, target: str) -> tuple[int, str]:
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(5)
+        sock.connect(str(path))
+        sock.sendall(f"GET {target} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body.decode()
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.fixture
+def where(tmp_path: Path) -> Path:
+    (tmp_path / "broker").mkdir()
+    (tmp_path / "lock").mkdir()
+    return tmp_path
+
+
+def plugin(where: Path, *args: str) -> NRIPluginProcess:
+    return NRIPluginProcess(where / "nri.sock", ["--broker-dir", str(where / "broker"),
+                                                 "--lock-parent", str(where / "lock"), *args])
+
+
+def test_registers_adjusts_and_comes_back_after_a_runtime_restart(where: Path) -> None:
+    metrics = where / "metrics.sock"
+    runtime = FakeRuntime(where / "nri.sock")
+    with plugin(where, "--metrics", f"unix:{metrics}") as process:
+        try:
+            connection = runtime.accept(WAIT_SECONDS)
+            registration = connection.handshake()
+            assert (registration.plugin_name, registration.plugin_idx) == ("hostpid", "90")
+            wait_for(lambda: http_get(metrics, "/readyz")[0] == 200, "readyz 200")
+            adjusted = connection.create_container(pod(), gpu_container()).adjust
+            assert [(m.destination, m.source) for m in adjusted.mounts] == [
+                ("/tmp/vgpulock", str(where / "lock")),
+                ("/tmp/vgpulock/hostpid", str(where / "broker"))]
+            assert [(e.key, e.value) for e in adjusted.env] == [("LIBVGPU_HOSTPID_BROKER", "1")]
+            forged = connection.create_container(pod(), container(
+                env=["NVIDIA_VISIBLE_DEVICES=all", "LIBVGPU_HOSTPID_BROKER=1"]))
+            assert forged.adjust == type(forged.adjust)()
+        finally:
+            runtime.close()
+        wait_for(lambda: http_get(metrics, "/readyz")[0] == 503, "readyz 503")
+        with FakeRuntime(where / "nri.sock") as again:
+            connection = again.accept(WAIT_SECONDS)
+            connection.handshake()
+            assert len(connection.create_container(pod(), gpu_container()).adjust.mounts) == 2
+            status, body = http_get(metrics, "/metrics")
+            assert status == 200
+            assert 'hostpid_nri_containers_total{reason="adjusted"} 2.0' in body
+            assert 'hostpid_nri_containers_total{reason="not_qualifying"} 1.0' in body
+        assert process.stop() in (0, -15), process.output()
+
+
+def test_frame_claiming_four_gibibytes(where: Path) -> None:
+    with FakeRuntime(where / "nri.sock") as runtime, plugin(where) as process:
+        connection = runtime.accept(WAIT_SECONDS)
+        connection.handshake()
+        before = rss_kib(process.pid)
+        # The multiplexer's header claims 4 GiB (on an id nobody opened, whose
+        # bytes would otherwise be dropped as they come)...
+        connection.send_raw(b"\x00\x00\x00\x07\xff\xff\xff\xff" + b"\0" * 65536)
+        assert connection.wait_closed(5), process.output()
+        # ...and ttrpc's header inside a well-formed multiplexed frame, on a
+        # registered connection (no registration timeout to close it).
+        connection = runtime.accept(WAIT_SECONDS)
+        connection.handshake()
+        connection.send_raw(b"\x00\x00\x00\x01\x00\x01\x00\x0a"
+                            b"\xff\xff\xff\xff\x00\x00\x00\x01\x01\x00" + b"\1" * 65536)
+        assert connection.wait_closed(5)
+        assert rss_kib(process.pid) < before + 8 * 1024
+        runtime.accept(WAIT_SECONDS).handshake()
+        assert "broke the protocol" in process.output()
+
+
+def test_runtime_that_never_answers_registration(where: Path) -> None:
+    with FakeRuntime(where / "nri.sock") as runtime, plugin(
+            where, "--registration-timeout", "0.5") as process:
+        connection = runtime.accept(WAIT_SECONDS)
+        started = time.monotonic()
+        connection.expect_registration()
+        assert connection.wait_closed(5)
+        assert 0.4 < time.monotonic() - started < 3
+        runtime.accept(WAIT_SECONDS).handshake()
+        assert "did not answer the registration" in process.output()
+
+
+def test_runtime_closing_at_once_is_retried_at_a_falling_rate(where: Path) -> None:
+    with FakeRuntime(where / "nri.sock") as runtime, plugin(where) as process:
+        runtime.accept(WAIT_SECONDS).close()
+        cpu_before = cpu_seconds(process.pid)
+        started = time.monotonic()
+        accepted = 0
+        while time.monotonic() - started < 4.0:
+            try:
+                runtime.accept(max(0.05, 4.0 - (time.monotonic() - started))).close()
+            except TimeoutError:
+                break
+            accepted += 1
+        # Backoff 0.5, 1, 2 s (+ up to 10 %): three more connections in 4 s at most.
+        assert 1 <= accepted <= 4, accepted
+        assert cpu_seconds(process.pid) - cpu_before < 0.5
+        assert process.stop() in (0, -15)
