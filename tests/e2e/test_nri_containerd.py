@@ -511,3 +511,54 @@ def test_fifty_containers_created_at_once_are_all_adjusted(
           f" max {seconds[-1]:.3f}s")
     assert [g == want for g in got] == [True] * CONCURRENT, got
 
+
+@pytest.fixture
+def unprepared_node() -> Iterator[GpuNode]:
+    """
+    A broker started without C{--cdi-dir} (the chart's C{broker.cdi.enabled:
+    false}): it makes its own directory and nothing else, so the lock
+    parent does not exist on the host.
+    """
+    with private_node() as node:
+        home = node.broker_dir.parent.parent
+        device = home / "dev" / "nvidia0"
+        device.parent.mkdir(mode=0o755)
+        os.mknod(device, 0o666 | stat.S_IFCHR, os.makedev(NVIDIA_MAJOR, 0))
+        with running_broker(node.broker_dir) as broker:
+            assert not node.lock_parent.exists()
+            yield GpuNode(node, device, broker)
+
+
+def test_gpu_pod_starts_when_the_lock_parent_is_missing(
+        daemon: Containerd, kubelet: Kubelet, unprepared_node: GpuNode) -> None:
+    """
+    The plugin never fails a container: a mount whose source does not exist
+    fails the container's start (runc: C{error mounting ... stat ...: no
+    such file or directory}), so with the broker's directory present but
+    the lock parent missing on the host (a broker without C{--cdi-dir}, or
+    a cleaned C{/tmp}) the plugin leaves the container as it is: it starts,
+    with its GPU and without the broker.  (A plugin that looked at the
+    broker directory only failed this container's StartContainer.)
+    """
+    plugin = Plugin(daemon, unprepared_node.node,
+                    daemon.workdir / f"plugin-{uuid.uuid4().hex[:6]}.log")
+    try:
+        wait_for(lambda: plugin_registered(daemon, plugin), "the plugin to register", 30.0)
+        run = run_pod(kubelet, "gpu, lock parent missing", restricted_pod("nolock"),
+                      [unprepared_node.allocation()])
+    finally:
+        plugin.stop()
+    assert run.adjustment == NOTHING
+    assert run.facts()["gpu"] == "present"
+    assert run.exit_code == 1 and run.stderr.startswith("hostpid_client: gate: "), run.stderr
+
+
+def plugin_registered(runtime: Containerd, plugin: Plugin) -> bool:
+    """containerd's log names the plugin as connected (NRI's adaptation logs it)."""
+    if plugin.process.poll() is not None:
+        raise AssertionError(plugin.output())
+    return f'plugin \\"{PLUGIN_NAME}\\" connected' in runtime.output() or (
+        f'plugin "{PLUGIN_NAME}" connected' in runtime.output())
+
+
+PLUGIN_NAME = "90-hostpid"
