@@ -145,3 +145,50 @@ def test_runtime_closing_at_once_is_retried_at_a_falling_rate(where: Path) -> No
         assert 1 <= accepted <= 4, accepted
         assert cpu_seconds(process.pid) - cpu_before < 0.5
         assert process.stop() in (0, -15)
+
+
+def test_runtime_that_never_reads_its_answers(where: Path) -> None:
+    """
+    A runtime that sends requests without reading the answers: the plugin
+    stops reading once its own write buffer is full (the transport is its
+    own producer), so what it holds stays bounded instead of growing with
+    every answer.
+    """
+    import threading
+
+    from nrilib import PLUGIN_CONN, PLUGIN_SERVICE, mux_frame, request_payload, ttrpc_frame
+
+    from hostpid.nri import api_pb2
+
+    with FakeRuntime(where / "nri.sock") as runtime, plugin(where) as process:
+        connection = runtime.accept(WAIT_SECONDS)
+        connection.handshake()
+        before = rss_kib(process.pid)
+        body = request_payload(PLUGIN_SERVICE, "CreateContainer", api_pb2.CreateContainerRequest(
+            pod=pod(), container=gpu_container()))
+        sent = [0]
+
+        def flood() -> None:
+            stream = 1001
+            try:
+                while sent[0] < 150 * 1024 * 1024:
+                    chunk = b"".join(mux_frame(PLUGIN_CONN, ttrpc_frame(
+                        stream + 2 * i, 1, 1, body)) for i in range(512))
+                    stream += 1024
+                    connection.sock.sendall(chunk)
+                    sent[0] += len(chunk)
+            except OSError:
+                pass
+
+        thread = threading.Thread(target=flood, daemon=True)
+        thread.start()
+        thread.join(3)
+        grown = rss_kib(process.pid) - before
+        connection.sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked sendall
+        thread.join(10)
+        assert not thread.is_alive()
+        connection.close()
+        # Measured: with the pause, about 250 KiB sent (the kernel's buffers)
+        # and 250 KiB grown; without it, 3 MB sent and 4 MB grown in 3 s,
+        # and growing as long as the runtime sends.
+        assert sent[0] < 2 * 1024 * 1024 and grown < 2 * 1024, (sent[0], grown)
