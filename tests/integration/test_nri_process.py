@@ -25,20 +25,8 @@ import time
 from pathlib import Path
 
 import pytest
-from nrilib import FakeRuntime, NRIPluginProcess, container, gpu_container, pod
+from nrilib import FakeRuntime, NRIPluginProcess, container, gpu_container, http_get, pod
 from support import WAIT_SECONDS, wait_for
-
-
-def http_get(path: Path, target: str) -> tuple[int, str]:
-    with socket.socket(socket.AF_UNIX) as sock:
-        sock.settimeout(5)
-        sock.connect(str(path))
-        sock.sendall(f"GET {target} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
-        data = b""
-        while chunk := sock.recv(65536):
-            data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    return int(head.split()[1]), body.decode()
 
 
 def rss_kib(pid: int) -> int:
@@ -60,20 +48,21 @@ def where(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def plugin(where: Path, *args: str) -> NRIPluginProcess:
+def plugin(where: Path, *args: str, metrics: Path | None = None) -> NRIPluginProcess:
     return NRIPluginProcess(where / "nri.sock", ["--broker-dir", str(where / "broker"),
-                                                 "--lock-parent", str(where / "lock"), *args])
+                                                 "--lock-parent", str(where / "lock"), *args],
+                            metrics=metrics)
 
 
 def test_registers_adjusts_and_comes_back_after_a_runtime_restart(where: Path) -> None:
     metrics = where / "metrics.sock"
     runtime = FakeRuntime(where / "nri.sock")
-    with plugin(where, "--metrics", f"unix:{metrics}") as process:
+    with plugin(where, metrics=metrics) as process:
         try:
             connection = runtime.accept(WAIT_SECONDS)
             registration = connection.handshake()
             assert (registration.plugin_name, registration.plugin_idx) == ("hostpid", "90")
-            wait_for(lambda: http_get(metrics, "/readyz")[0] == 200, "readyz 200")
+            process.wait_registered()
             adjusted = connection.create_container(pod(), gpu_container()).adjust
             assert [(m.destination, m.source) for m in adjusted.mounts] == [
                 ("/tmp/vgpulock", str(where / "lock")),
@@ -89,10 +78,9 @@ def test_registers_adjusts_and_comes_back_after_a_runtime_restart(where: Path) -
             connection = again.accept(WAIT_SECONDS)
             connection.handshake()
             assert len(connection.create_container(pod(), gpu_container()).adjust.mounts) == 2
-            status, body = http_get(metrics, "/metrics")
-            assert status == 200
-            assert 'hostpid_nri_containers_total{reason="adjusted"} 2.0' in body
-            assert 'hostpid_nri_containers_total{reason="not_qualifying"} 1.0' in body
+            assert process.metric("hostpid_nri_containers_total", reason="adjusted") == 2
+            assert process.metric("hostpid_nri_containers_total", reason="not_qualifying") == 1
+            assert process.metric("hostpid_nri_registered") == 1
         assert process.stop() in (0, -15), process.output()
 
 
