@@ -15,8 +15,10 @@ sub-connection 1.
   - L{RuntimeConnection}: C{register()}, C{configure()}, C{synchronize()},
     C{create_container(pod, container)}, C{handshake()} (the three first),
     C{send_raw()} and C{wait_closed()} for hostile tests.
-  - L{mux_frame}, L{ttrpc_frame}, L{request_payload}: the bytes, for
-    in-memory tests.
+  - L{NRIPluginProcess}: the real C{twistd hostpid-nri} (C{wait_registered},
+    C{metric}, C{stop}) against any socket, this fake's or a real runtime's.
+  - L{mux_frame}, L{ttrpc_frame}, L{request_payload}, L{WireReader}: the
+    bytes, for in-memory tests.
   - L{pod}, L{container}, L{gpu_container}: NRI messages as a runtime fills
     them.
 """
@@ -286,18 +288,39 @@ class FakeRuntime:
         self.close()
 
 
+def http_get(path: Path | str, target: str, timeout: float = 5.0) -> tuple[int, str]:
+    """C{GET target} over the Unix socket C{path} (a C{--metrics unix:PATH} endpoint)."""
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(timeout)
+        sock.connect(str(path))
+        sock.sendall(f"GET {target} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body.decode()
+
+
 class NRIPluginProcess:
     """
     A real plugin: C{twistd hostpid-nri} in its own process, output to a file
     (a chatty process never blocks on a full pipe).
+
+    @param metrics: a Unix socket path for C{--metrics}; then L{ready},
+        L{wait_registered} and L{metric} read the plugin's own endpoints.
     """
 
     def __init__(self, socket_path: Path | str, args: Iterable[str] = (), gate: str | None = "1",
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None,
+                 metrics: Path | str | None = None) -> None:
         import subprocess
         import tempfile
 
         from support import TWISTD, subprocess_env
+
+        self.metrics_path = str(metrics) if metrics is not None else None
+        if metrics is not None:
+            args = [*args, "--metrics", f"unix:{metrics}"]
 
         environment = subprocess_env(dict(env or {}))
         environment.pop("LIBVGPU_HOSTPID_BROKER", None)
@@ -317,6 +340,31 @@ class NRIPluginProcess:
     def output(self) -> str:
         self._log.seek(0)
         return self._log.read().decode("utf-8", "replace")
+
+    def ready(self) -> bool:
+        """C{/readyz} is 200: the plugin is registered with the runtime."""
+        assert self.metrics_path is not None, "start it with metrics=PATH"
+        try:
+            return http_get(self.metrics_path, "/readyz")[0] == 200
+        except OSError:
+            return False
+
+    def wait_registered(self, timeout: float = 30.0) -> None:
+        from support import wait_for
+
+        wait_for(self.ready, f"hostpid-nri registered\n{self.output()}", timeout)
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        """One sample of C{/metrics}, e.g. C{metric("hostpid_nri_containers_total",
+        reason="adjusted")}; None when absent."""
+        assert self.metrics_path is not None, "start it with metrics=PATH"
+        from prometheus_client.parser import text_string_to_metric_families
+
+        for family in text_string_to_metric_families(http_get(self.metrics_path, "/metrics")[1]):
+            for sample in family.samples:
+                if sample.name == name and sample.labels == labels:
+                    return float(sample.value)
+        return None
 
     def stop(self, timeout: float = 10.0) -> int:
         """SIGTERM, then wait; returns the exit status."""

@@ -85,6 +85,13 @@ def test_plugin_daemonset_shape() -> None:
     assert not selector.items() <= labels.items()
 
 
+def test_notes_name_the_plugin_when_enabled() -> None:
+    from test_chart import notes
+
+    assert "daemonset/hostpid-nri" in notes(ON) and "nri.gate=false" in notes(ON)
+    assert "hostpid-nri" not in notes()
+
+
 def test_a_numeric_index_is_two_digits() -> None:
     (container,) = plugin_daemonset(render(sets("nri.enabled=true", "nri.pluginIndex=7")))[
         "spec"]["template"]["spec"]["containers"]

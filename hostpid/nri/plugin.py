@@ -141,6 +141,11 @@ class NRIPluginProtocol(Protocol):
 
     def connectionMade(self) -> None:
         assert self.transport is not None
+        # The transport is its own producer: once the answers it has not yet
+        # written pass its buffer size, it stops reading until they are
+        # written.  A runtime that sends requests and never reads the answers
+        # then fills its own socket, not this process's memory.
+        self.transport.registerProducer(self.transport, True)  # type: ignore[attr-defined]
         self.mux = Multiplexer(self.transport.write)
         self.server = ServerChannel(
             self.mux.open(PLUGIN_SERVICE_CONN, self._server_data), self._handle)

@@ -59,9 +59,12 @@ from hostpid.nri.plugin import (
 DECISION_BUDGET = 0.1
 LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.1, 1.0)
 
-#: Reconnection delays, seconds: from the first to the cap, doubling.
+#: Reconnection delays, seconds: from the first to the cap, doubling.  The cap
+#: bounds how long after a runtime restart containers go unadjusted (a few
+#: seconds of downtime cost at most one delay of 10 s more) and how often a
+#: runtime that closes at once is retried (once in 10 s).
 BACKOFF_INITIAL = 0.5
-BACKOFF_MAX = 30.0
+BACKOFF_MAX = 10.0
 
 
 class NRIMetrics:

@@ -15,8 +15,11 @@ from typing import Any
 from twisted.application.internet import StreamServerEndpointService
 from twisted.application.service import IService, MultiService
 from twisted.internet import endpoints
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IProtocol, IProtocolFactory, IStreamClientEndpoint
 from twisted.logger import Logger
 from twisted.python import usage
+from zope.interface import implementer
 
 from hostpid import defaults
 from hostpid.gate import gate_enabled
@@ -112,6 +115,24 @@ def config_from(options: Options | dict[str, Any], environ: Any = None) -> Confi
     )
 
 
+@implementer(IStreamClientEndpoint)
+class SocketEndpoint:
+    """
+    The runtime's socket as a client endpoint that names its path when
+    logged (C{ClientService} logs each retry with the endpoint's C{repr}).
+    """
+
+    def __init__(self, reactor: Any, path: str) -> None:
+        self.path = path
+        self._endpoint = endpoints.UNIXClientEndpoint(reactor, path)
+
+    def connect(self, factory: IProtocolFactory) -> Deferred[IProtocol]:
+        return self._endpoint.connect(factory)
+
+    def __repr__(self) -> str:
+        return f"unix:{self.path}"
+
+
 class HealthEndpointService(StreamServerEndpointService):
     """The metrics listener: a failed listen stops twistd with status 1."""
 
@@ -157,8 +178,8 @@ def makeService(options: Options | dict[str, Any], reactor: Any = None) -> IServ
         Adjuster(config, metrics), reactor, metrics, Backoff(), index=index,
         registration_timeout=float(options.get("registration-timeout") or REGISTRATION_TIMEOUT))
     root = PluginRoot(config, socket_path, index)
-    client = NRIPluginService(endpoints.UNIXClientEndpoint(reactor, socket_path), factory,
-                              reactor, socket_path)
+    client = NRIPluginService(SocketEndpoint(reactor, socket_path), factory, reactor,
+                              socket_path)
     client.setServiceParent(root)
     if options.get("metrics"):
         from hostpid.nri.health import health_site

@@ -25,20 +25,8 @@ import time
 from pathlib import Path
 
 import pytest
-from nrilib import FakeRuntime, NRIPluginProcess, container, gpu_container, pod
+from nrilib import FakeRuntime, NRIPluginProcess, container, gpu_container, http_get, pod
 from support import WAIT_SECONDS, wait_for
-
-
-def http_get(path: Path, target: str) -> tuple[int, str]:
-    with socket.socket(socket.AF_UNIX) as sock:
-        sock.settimeout(5)
-        sock.connect(str(path))
-        sock.sendall(f"GET {target} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
-        data = b""
-        while chunk := sock.recv(65536):
-            data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    return int(head.split()[1]), body.decode()
 
 
 def rss_kib(pid: int) -> int:
@@ -60,20 +48,21 @@ def where(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def plugin(where: Path, *args: str) -> NRIPluginProcess:
+def plugin(where: Path, *args: str, metrics: Path | None = None) -> NRIPluginProcess:
     return NRIPluginProcess(where / "nri.sock", ["--broker-dir", str(where / "broker"),
-                                                 "--lock-parent", str(where / "lock"), *args])
+                                                 "--lock-parent", str(where / "lock"), *args],
+                            metrics=metrics)
 
 
 def test_registers_adjusts_and_comes_back_after_a_runtime_restart(where: Path) -> None:
     metrics = where / "metrics.sock"
     runtime = FakeRuntime(where / "nri.sock")
-    with plugin(where, "--metrics", f"unix:{metrics}") as process:
+    with plugin(where, metrics=metrics) as process:
         try:
             connection = runtime.accept(WAIT_SECONDS)
             registration = connection.handshake()
             assert (registration.plugin_name, registration.plugin_idx) == ("hostpid", "90")
-            wait_for(lambda: http_get(metrics, "/readyz")[0] == 200, "readyz 200")
+            process.wait_registered()
             adjusted = connection.create_container(pod(), gpu_container()).adjust
             assert [(m.destination, m.source) for m in adjusted.mounts] == [
                 ("/tmp/vgpulock", str(where / "lock")),
@@ -89,10 +78,9 @@ def test_registers_adjusts_and_comes_back_after_a_runtime_restart(where: Path) -
             connection = again.accept(WAIT_SECONDS)
             connection.handshake()
             assert len(connection.create_container(pod(), gpu_container()).adjust.mounts) == 2
-            status, body = http_get(metrics, "/metrics")
-            assert status == 200
-            assert 'hostpid_nri_containers_total{reason="adjusted"} 2.0' in body
-            assert 'hostpid_nri_containers_total{reason="not_qualifying"} 1.0' in body
+            assert process.metric("hostpid_nri_containers_total", reason="adjusted") == 2
+            assert process.metric("hostpid_nri_containers_total", reason="not_qualifying") == 1
+            assert process.metric("hostpid_nri_registered") == 1
         assert process.stop() in (0, -15), process.output()
 
 
@@ -145,3 +133,50 @@ def test_runtime_closing_at_once_is_retried_at_a_falling_rate(where: Path) -> No
         assert 1 <= accepted <= 4, accepted
         assert cpu_seconds(process.pid) - cpu_before < 0.5
         assert process.stop() in (0, -15)
+
+
+def test_runtime_that_never_reads_its_answers(where: Path) -> None:
+    """
+    A runtime that sends requests without reading the answers: the plugin
+    stops reading once its own write buffer is full (the transport is its
+    own producer), so what it holds stays bounded instead of growing with
+    every answer.
+    """
+    import threading
+
+    from nrilib import PLUGIN_CONN, PLUGIN_SERVICE, mux_frame, request_payload, ttrpc_frame
+
+    from hostpid.nri import api_pb2
+
+    with FakeRuntime(where / "nri.sock") as runtime, plugin(where) as process:
+        connection = runtime.accept(WAIT_SECONDS)
+        connection.handshake()
+        before = rss_kib(process.pid)
+        body = request_payload(PLUGIN_SERVICE, "CreateContainer", api_pb2.CreateContainerRequest(
+            pod=pod(), container=gpu_container()))
+        sent = [0]
+
+        def flood() -> None:
+            stream = 1001
+            try:
+                while sent[0] < 150 * 1024 * 1024:
+                    chunk = b"".join(mux_frame(PLUGIN_CONN, ttrpc_frame(
+                        stream + 2 * i, 1, 1, body)) for i in range(512))
+                    stream += 1024
+                    connection.sock.sendall(chunk)
+                    sent[0] += len(chunk)
+            except OSError:
+                pass
+
+        thread = threading.Thread(target=flood, daemon=True)
+        thread.start()
+        thread.join(3)
+        grown = rss_kib(process.pid) - before
+        connection.sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked sendall
+        thread.join(10)
+        assert not thread.is_alive()
+        connection.close()
+        # Measured: with the pause, about 250 KiB sent (the kernel's buffers)
+        # and 250 KiB grown; without it, 3 MB sent and 4 MB grown in 3 s,
+        # and growing as long as the runtime sends.
+        assert sent[0] < 2 * 1024 * 1024 and grown < 2 * 1024, (sent[0], grown)
