@@ -82,6 +82,17 @@ def plugin_argv(socket: Path, lock_parent: Path, broker_dir: Path, *extra: str) 
             "--lock-parent", str(lock_parent), "--broker-dir", str(broker_dir), *extra]
 
 
+def node_paths(workdir: Path) -> tuple[Path, Path]:
+    """
+    The lock parent and the broker's directory, both present: the plugin
+    adjusts only while both bind sources exist on the host.
+    """
+    lock_parent, broker_dir = workdir / "vgpulock", workdir / "hostpid"
+    lock_parent.mkdir(mode=0o1777)
+    broker_dir.mkdir(mode=0o711)
+    return lock_parent, broker_dir
+
+
 def hostpid_plugin(socket: Path, lock_parent: Path, broker_dir: Path, workdir: Path,
                    *extra: str) -> PluginRun:
     """The plugin with its gate on, its output in C{workdir/plugin.log}."""
@@ -117,8 +128,7 @@ def test_plugin_adjusts_only_allocated_containers(programs: NriPrograms, workdir
     the plugin as the device nodes CDI injected: the NRI releases these
     containerds link have no C{CDI_devices} field in C{Container}.)
     """
-    lock_parent, broker_dir = workdir / "vgpulock", workdir / "hostpid"
-    broker_dir.mkdir()
+    lock_parent, broker_dir = node_paths(workdir)
     pod = nri_pod("gpu", str(uuid.uuid4()), labels={"pod-security.kubernetes.io/enforce":
                                                      "restricted"})
     opted = nri_pod("opted", str(uuid.uuid4()), labels={"hostpid.hami.io/nri": "disabled"})
@@ -146,8 +156,7 @@ def test_plugin_adjusts_only_allocated_containers(programs: NriPrograms, workdir
 
 def test_plugin_gate_off_registers_and_adjusts_nothing(programs: NriPrograms,
                                                       workdir: Path) -> None:
-    lock_parent, broker_dir = workdir / "vgpulock", workdir / "hostpid"
-    broker_dir.mkdir()
+    lock_parent, broker_dir = node_paths(workdir)
     pod = nri_pod("gpu", str(uuid.uuid4()))
     socket = workdir / "nri.sock"
     env = subprocess_env()
@@ -166,8 +175,7 @@ def test_plugin_beside_another_plugin(programs: NriPrograms, workdir: Path) -> N
     runtime side merges both answers, and hostpid's adds nothing that
     conflicts (a conflict is an error that fails the container).
     """
-    lock_parent, broker_dir = workdir / "vgpulock", workdir / "hostpid"
-    broker_dir.mkdir()
+    lock_parent, broker_dir = node_paths(workdir)
     pod = nri_pod("gpu", str(uuid.uuid4()))
     socket = workdir / "nri.sock"
     stub = PluginRun([str(programs.nristub), str(socket), "10"], log=workdir / "stub.log")
