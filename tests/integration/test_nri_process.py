@@ -63,7 +63,8 @@ def test_registers_adjusts_and_comes_back_after_a_runtime_restart(where: Path) -
             registration = connection.handshake()
             assert (registration.plugin_name, registration.plugin_idx) == ("hostpid", "90")
             process.wait_registered()
-            adjusted = connection.create_container(pod(), gpu_container()).adjust
+            # Answered well inside the runtime's request timeout (2 s).
+            adjusted = connection.create_container(pod(), gpu_container(), timeout=1.0).adjust
             assert [(m.destination, m.source) for m in adjusted.mounts] == [
                 ("/tmp/vgpulock", str(where / "lock")),
                 ("/tmp/vgpulock/hostpid", str(where / "broker"))]
