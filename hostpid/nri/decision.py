@@ -101,7 +101,11 @@ REASONS = (ADJUSTED, UNCHANGED, NOT_QUALIFYING, OPTED_OUT, GATE_OFF, BROKER_ABSE
 
 #: Mount options of the bind mounts added: what containerd's CRI gives a
 #: kubelet mount (C{internal/cri/opts/spec_linux_opts.go}, C{WithMounts}:
-#: C{rbind}, C{rprivate}, then C{rw} or C{ro}).
+#: C{rbind}, C{rprivate}, then C{rw} or C{ro}).  Never C{idmap} or C{ridmap}
+#: (runc 1.2+): in a user-namespaced pod a plain read-only bind shows the
+#: host's root as the overflow UID, which the client's rule accepts, and it is
+#: the one mount such a pod's root cannot write through even after remounting
+#: it, where an idmapped one maps that root to the host's (docs/userns.md).
 LOCK_PARENT_OPTIONS = ("rbind", "rprivate", "rw")
 BROKER_OPTIONS = ("rbind", "rprivate", "ro")
 
