@@ -1,0 +1,312 @@
+"""
+A real C{twistd hostpid-webhook} over TLS against what a hostile tenant can
+send it: anyone who may create a pod reaches the webhook with whatever pod
+it likes, since the API server calls mutating webhooks before it validates
+names, paths or quantities; and any pod in the cluster may reach its port.
+
+Each check is something that once knocked the webhook over or made it
+answer wrongly:
+
+  - an amplifier pod (one long container name, many mounts under the broker
+    directory) that turned 135 KB into a 40 MB answer and a 42 s reactor
+    stall;
+  - zero-GPU pods (C{"0"}, C{"0.0"}, ...) that got the broker;
+  - a 250 KB pod name copied into every log line;
+  - a cdi annotation that pushed a pod past the API server's 256 KiB
+    annotations limit;
+  - 40 connections holding almost 1 MiB each, draining the body budget so
+    that normal reviews were answered 503;
+  - a connection flood evicting the API server's kept-alive connection.
+
+One module-scoped webhook per mode serves every test; the memory check at
+the end reads the peak RSS the attacks before it left.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import ssl
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support import WAIT_SECONDS, scaled, wait_for
+from test_webhook_tls import (
+    MAX_BODY,
+    Webhook,
+    admission_review,
+    gpu,
+    patched,
+    pod,
+    tls,  # noqa: F401 - the module-scoped fixture
+    valid,
+    with_broker,
+)
+
+from hostpid.admission.decision import ANNOTATION_KEY
+
+#: The largest answer any request under the body cap may get.
+MAX_ANSWER = 64 * 1024
+#: The chart's memory limit for the webhook's container.
+CHART_MEMORY_LIMIT = 128 * 1024 * 1024
+#: What the peak RSS must stay under: the limit less the margin the docs state.
+RSS_BOUND = 100 * 1024 * 1024
+#: The request deadline of the webhook the connection flood is run against.
+FLOOD_TIMEOUT = scaled(30.0)
+
+
+@pytest.fixture(scope="module")
+def hooks(tls: dict[str, Path]) -> Iterator[dict[str, Webhook]]:  # noqa: F811
+    started: dict[str, Webhook] = {}
+    try:
+        started["mounts"] = Webhook(tls, "mounts", "1")
+        # Long enough for a flood past the connection cap to be opened
+        # before the first of its connections times out.
+        started["cdi"] = Webhook(tls, "cdi", "1", timeout=FLOOD_TIMEOUT)
+        yield started
+    finally:
+        for webhook in started.values():
+            webhook.stop()
+
+
+def timed_post(webhook: Webhook, body: bytes) -> tuple[int, bytes, float]:
+    connection = webhook.connection()
+    try:
+        started = time.monotonic()
+        connection.request("POST", "/mutate", body, {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        data = response.read()
+        return response.status, data, time.monotonic() - started
+    finally:
+        connection.close()
+
+
+def amplifier(name_bytes: int, mounts: int) -> dict[str, Any]:
+    container = gpu("n" * name_bytes, volumeMounts=[
+        {"name": f"v{i}", "mountPath": f"/tmp/vgpulock/hostpid/{i}"} for i in range(mounts)])
+    return pod(container)
+
+
+@pytest.mark.parametrize("name_bytes, mounts", [(20_000, 2_000), (200_000, 13_000)],
+                         ids=["135KB", "near-the-body-cap"])
+def test_an_amplifier_pod_gets_a_small_answer_at_once(hooks: dict[str, Webhook],
+                                                       name_bytes: int, mounts: int) -> None:
+    """
+    One warning per shadowing mount, each repeating a long container name
+    (135 KB in was 40 MB out and 42 s; near the body cap, gigabytes): the
+    answer stays under 64 KiB and is built well inside a second, and the
+    warnings say how many more there were.
+    """
+    webhook = hooks["mounts"]
+    body = json.dumps(admission_review(amplifier(name_bytes, mounts), str(uuid.uuid4()))).encode()
+    assert len(body) < MAX_BODY
+    status, data, took = timed_post(webhook, body)
+    assert status == 200, data[:200]
+    assert len(data) < MAX_ANSWER, len(data)
+    assert took < scaled(1.0), took
+    response = json.loads(data)["response"]
+    assert response["allowed"] is True and "patch" not in response
+    assert any("more" in warning for warning in response["warnings"]), response["warnings"]
+
+
+def test_the_answer_to_many_qualifying_containers_stays_small(
+        hooks: dict[str, Webhook]) -> None:
+    """Thousands of GPU containers: a patch for each would be megabytes; none is given."""
+    webhook = hooks["mounts"]
+    many = pod(*[gpu(f"c{i}") for i in range(10_000)])
+    body = json.dumps(admission_review(many, str(uuid.uuid4()))).encode()
+    assert len(body) < MAX_BODY
+    status, data, took = timed_post(webhook, body)
+    assert status == 200 and len(data) < MAX_ANSWER, (status, len(data))
+    assert took < scaled(1.0), took
+    response = json.loads(data)["response"]
+    assert "patch" not in response and response["warnings"], response
+
+
+@pytest.mark.parametrize("where", ["requests", "limits"])
+@pytest.mark.parametrize("amount", ["0", "0.0", "00", "0Gi", "0e3", "-0", "0m", "+0", ".0", 0])
+def test_a_zero_gpu_pod_does_not_qualify(hooks: dict[str, Webhook], amount: Any,
+                                         where: str) -> None:
+    webhook = hooks["mounts"]
+    zero = pod({"name": "cuda", "image": "cuda:12",
+                "resources": {where: {"nvidia.com/gpu": amount}}})
+    response = webhook.review(zero)
+    assert "patch" not in response, response
+
+
+@pytest.mark.parametrize("amount", ["1", "1e0", "2", 1, "1k", "1Ki", "0.5"])
+def test_a_positive_quantity_qualifies(hooks: dict[str, Webhook], amount: Any) -> None:
+    webhook = hooks["mounts"]
+    one = pod({"name": "cuda", "image": "cuda:12",
+               "resources": {"requests": {"nvidia.com/gpu": amount}}})
+    result = patched(one, webhook.review(one))
+    assert with_broker(result) == 1
+
+
+def test_a_long_pod_name_is_not_copied_into_the_log(hooks: dict[str, Webhook]) -> None:
+    """20 reviews of a pod whose name is 250 KB write a few kilobytes of log, not 5 MB."""
+    webhook = hooks["mounts"]
+    named = pod(gpu("cuda"))
+    named["metadata"]["name"] = "p" * 250_000
+    before = len(webhook.output())
+    for _ in range(20):
+        assert "patch" in webhook.review(named)
+    written = len(webhook.output()) - before
+    assert written < 20 * 1024, written
+
+
+def annotated(total: int) -> dict[str, Any]:
+    """A GPU pod whose annotations' sizes (key plus value) add up to C{total} bytes."""
+    annotations = {"big": "a" * (total - len("big") - len("small") - 1), "small": "b"}
+    assert sum(len(k) + len(v) for k, v in annotations.items()) == total
+    return pod(gpu("cuda"), annotations=annotations)
+
+
+def test_cdi_does_not_push_annotations_past_the_api_servers_limit(
+        hooks: dict[str, Webhook]) -> None:
+    """
+    The API server refuses a pod whose annotations (keys and values) pass
+    256 KiB, whatever the failurePolicy: a pod 40 bytes short of it is left
+    unpatched with a warning; one with room gets the annotation.
+    """
+    webhook = hooks["cdi"]
+    limit = 256 * 1024
+    near = annotated(limit - 40)
+    response = webhook.review(near)
+    assert "patch" not in response, response
+    assert any("256" in w and "annotation" in w for w in response["warnings"]), response
+    room = annotated(limit - 47)
+    result = patched(room, webhook.review(room))
+    assert ANNOTATION_KEY in result["metadata"]["annotations"]
+    assert sum(len(k) + len(v) for k, v in result["metadata"]["annotations"].items()) <= limit
+    valid(result)
+
+
+class Drainer(threading.Thread):
+    """A connection sending just under 1 MiB of a 1 MiB body, then holding it, again and again."""
+
+    def __init__(self, webhook: Webhook, stop: threading.Event) -> None:
+        super().__init__(daemon=True)
+        self.webhook = webhook
+        self.stop = stop
+        self.held = threading.Event()
+
+    def run(self) -> None:
+        head = (b"POST /mutate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n" % (MAX_BODY,))
+        chunk = b" " * 65536
+        while not self.stop.is_set():
+            try:
+                with self.webhook.tls_socket() as sock:
+                    sock.sendall(head)
+                    for _ in range(MAX_BODY // len(chunk) - 1):
+                        sock.sendall(chunk)
+                    sock.sendall(chunk[:-1])
+                    self.held.set()
+                    sock.settimeout(0.2)
+                    while not self.stop.is_set():
+                        try:
+                            if not sock.recv(4096):
+                                break
+                        except TimeoutError:
+                            continue
+            except (OSError, ssl.SSLError):
+                time.sleep(0.05)
+
+
+def test_forty_connections_cannot_drain_the_body_budget(hooks: dict[str, Webhook]) -> None:
+    """
+    While 40 connections each hold almost 1 MiB of a body (and start over
+    when cut), every normal review is answered within a second.
+    """
+    webhook = hooks["mounts"]
+    stop = threading.Event()
+    drainers = [Drainer(webhook, stop) for _ in range(40)]
+    for drainer in drainers:
+        drainer.start()
+    answered = late = refused = 0
+    try:
+        wait_for(lambda: sum(d.held.is_set() for d in drainers) >= 30,
+                 "most drainers holding their bodies", timeout=WAIT_SECONDS * 2)
+        body = json.dumps(admission_review(pod(gpu("cuda")), "drain")).encode()
+        for _ in range(30):
+            status, _, took = timed_post(webhook, body)
+            if status != 200:
+                refused += 1
+            elif took >= scaled(1.0):
+                late += 1
+            else:
+                answered += 1
+    finally:
+        stop.set()
+        for drainer in drainers:
+            drainer.join(WAIT_SECONDS)
+    assert (answered, late, refused) == (30, 0, 0)
+
+
+def test_a_kept_alive_client_survives_a_connection_flood(hooks: dict[str, Webhook]) -> None:
+    """
+    Past the 256-connection cap, the connections evicted are those that never
+    completed a request, not the API server's kept-alive one: it keeps being
+    answered while 300 idle connections are opened, and after.
+    """
+    webhook = hooks["cdi"]
+    kept = webhook.connection()
+    flood: list[socket.socket] = []
+    done = threading.Event()
+
+    def open_flood() -> None:
+        try:
+            for _ in range(300):
+                flood.append(socket.create_connection(("127.0.0.1", webhook.port),
+                                                      timeout=WAIT_SECONDS))
+        finally:
+            done.set()
+
+    flooder = threading.Thread(target=open_flood, daemon=True)
+    try:
+        assert "patch" in webhook.review(pod(gpu("cuda")), kept)
+        flooder.start()
+        answered = 0
+        while not done.is_set():
+            assert "patch" in webhook.review(pod(gpu("cuda")), kept)
+            answered += 1
+        for _ in range(5):
+            assert "patch" in webhook.review(pod(gpu("cuda")), kept)
+        assert len(flood) == 300
+        assert evicted(webhook) >= 300 - 256, "the flood passed the cap"
+    finally:
+        done.wait(WAIT_SECONDS)
+        kept.close()
+        for sock in flood:
+            sock.close()
+
+
+def evicted(webhook: Webhook) -> float:
+    connection = webhook.connection()
+    try:
+        connection.request("GET", "/metrics")
+        text = connection.getresponse().read().decode()
+    finally:
+        connection.close()
+    match = re.search(r'^hostpid_webhook_refused_requests_total\{reason="evicted"\} (\S+)',
+                      text, re.M)
+    assert match, text
+    return float(match.group(1))
+
+
+def test_peak_memory_under_the_attacks_stays_under_the_chart_limit(
+        hooks: dict[str, Webhook]) -> None:
+    """Runs last: VmHWM is the process's peak RSS over every attack above."""
+    for webhook in hooks.values():
+        status = Path(f"/proc/{webhook.process.pid}/status").read_text()
+        peak = int(next(line.split()[1] for line in status.splitlines()
+                        if line.startswith("VmHWM:"))) * 1024
+        print(f"peak RSS {peak / 2**20:.1f} MiB")
+        assert peak < RSS_BOUND < CHART_MEMORY_LIMIT, peak
