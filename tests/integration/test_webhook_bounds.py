@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import socket
 import ssl
+import subprocess
 import threading
 import time
 import uuid
@@ -36,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import WAIT_SECONDS, scaled, wait_for
+from support import TWISTD, WAIT_SECONDS, scaled, subprocess_env, wait_for
 from test_webhook_tls import (
     MAX_BODY,
     Webhook,
@@ -310,3 +312,32 @@ def test_peak_memory_under_the_attacks_stays_under_the_chart_limit(
                         if line.startswith("VmHWM:"))) * 1024
         print(f"peak RSS {peak / 2**20:.1f} MiB")
         assert peak < RSS_BOUND < CHART_MEMORY_LIMIT, peak
+
+
+def test_log_file_rotation_keeps_a_bounded_number_of_files(
+        tls: dict[str, Path], tmp_path: Path) -> None:  # noqa: F811
+    """
+    twistd's own --logfile keeps every rotated file; the webhook's keeps
+    --log-files of them: five rotations (SIGUSR1, as at each megabyte) leave
+    the log and two rotated files.
+    """
+    log = tmp_path / "webhook.log"
+    argv = [*TWISTD, "--nodaemon", "--pidfile=", "--logfile", str(log), "hostpid-webhook",
+            "--endpoint", f"ssl:0:interface=127.0.0.1:privateKey={tls['tls.key']}"
+                          f":certKey={tls['tls.crt']}", "--log-files", "2"]
+    process = subprocess.Popen(argv, env=subprocess_env(), stdin=subprocess.DEVNULL,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               cwd=tmp_path)
+    try:
+        wait_for(lambda: log.exists() and "listening on port" in log.read_text(),
+                 "the webhook's listening line in its log file")
+        for _ in range(5):
+            inode = log.stat().st_ino
+            process.send_signal(signal.SIGUSR1)
+            wait_for(lambda inode=inode: log.exists() and log.stat().st_ino != inode,  # type: ignore[misc]
+                     "a rotation")
+        assert sorted(p.name for p in tmp_path.iterdir()) == [
+            "webhook.log", "webhook.log.1", "webhook.log.2"]
+    finally:
+        process.terminate()
+        process.wait(WAIT_SECONDS)
