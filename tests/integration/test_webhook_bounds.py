@@ -28,8 +28,8 @@ import json
 import re
 import signal
 import socket
-import ssl
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -41,6 +41,7 @@ import pytest
 from support import TWISTD, WAIT_SECONDS, scaled, subprocess_env, wait_for
 from test_webhook_tls import (
     MAX_BODY,
+    SERVICE_NAME,
     Webhook,
     admission_review,
     gpu,
@@ -190,36 +191,42 @@ def test_cdi_does_not_push_annotations_past_the_api_servers_limit(
     valid(result)
 
 
-class Drainer(threading.Thread):
-    """A connection sending just under 1 MiB of a 1 MiB body, then holding it, again and again."""
-
-    def __init__(self, webhook: Webhook, stop: threading.Event) -> None:
-        super().__init__(daemon=True)
-        self.webhook = webhook
-        self.stop = stop
-        self.held = threading.Event()
-
-    def run(self) -> None:
-        head = (b"POST /mutate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                b"Content-Length: %d\r\n\r\n" % (MAX_BODY,))
-        chunk = b" " * 65536
-        while not self.stop.is_set():
-            try:
-                with self.webhook.tls_socket() as sock:
-                    sock.sendall(head)
-                    for _ in range(MAX_BODY // len(chunk) - 1):
-                        sock.sendall(chunk)
-                    sock.sendall(chunk[:-1])
-                    self.held.set()
-                    sock.settimeout(0.2)
-                    while not self.stop.is_set():
-                        try:
-                            if not sock.recv(4096):
-                                break
-                        except TimeoutError:
-                            continue
-            except (OSError, ssl.SSLError):
-                time.sleep(0.05)
+#: Forty connections, each sending just under 1 MiB of a 1 MiB body and
+#: holding it, starting over whenever the webhook cuts it: argv port, CA
+#: file, server name, connections.  Prints a line once most of them hold
+#: their bodies; runs until killed.  A process of its own, so that its TLS
+#: work does not slow the test's own reviews.
+DRAINERS = r"""
+import socket, ssl, sys, threading, time
+port, cafile, name, count = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
+context = ssl.create_default_context(cafile=cafile)
+head = (b"POST /mutate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % (1024 * 1024,))
+chunk = b" " * 65536
+held = set()
+def drain(index):
+    while True:
+        try:
+            raw = socket.create_connection(("127.0.0.1", port), timeout=30)
+            with context.wrap_socket(raw, server_hostname=name) as sock:
+                sock.sendall(head)
+                for _ in range(15):
+                    sock.sendall(chunk)
+                sock.sendall(chunk[:-1])
+                held.add(index)
+                while sock.recv(4096):
+                    pass
+        except OSError:
+            pass
+        held.discard(index)
+        time.sleep(0.05)
+for index in range(count):
+    threading.Thread(target=drain, args=(index,), daemon=True).start()
+while len(held) < min(count, 30) and not sys.stdin.closed:
+    time.sleep(0.05)
+print("holding", flush=True)
+sys.stdin.read()
+"""
 
 
 def test_forty_connections_cannot_drain_the_body_budget(hooks: dict[str, Webhook]) -> None:
@@ -228,14 +235,14 @@ def test_forty_connections_cannot_drain_the_body_budget(hooks: dict[str, Webhook
     when cut), every normal review is answered within a second.
     """
     webhook = hooks["mounts"]
-    stop = threading.Event()
-    drainers = [Drainer(webhook, stop) for _ in range(40)]
-    for drainer in drainers:
-        drainer.start()
+    drainers = subprocess.Popen(
+        [sys.executable, "-c", DRAINERS, str(webhook.port), str(webhook.tls["ca.crt"]),
+         SERVICE_NAME, "40"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     answered = late = refused = 0
     try:
-        wait_for(lambda: sum(d.held.is_set() for d in drainers) >= 30,
-                 "most drainers holding their bodies", timeout=WAIT_SECONDS * 2)
+        assert drainers.stdout is not None
+        assert wait_for(drainers.stdout.readline, "most drainers holding their bodies",
+                        timeout=WAIT_SECONDS * 2) == "holding\n"
         body = json.dumps(admission_review(pod(gpu("cuda")), "drain")).encode()
         for _ in range(30):
             status, _, took = timed_post(webhook, body)
@@ -246,9 +253,8 @@ def test_forty_connections_cannot_drain_the_body_budget(hooks: dict[str, Webhook
             else:
                 answered += 1
     finally:
-        stop.set()
-        for drainer in drainers:
-            drainer.join(WAIT_SECONDS)
+        drainers.kill()
+        drainers.wait()
     assert (answered, late, refused) == (30, 0, 0)
 
 
