@@ -245,11 +245,15 @@ def test_forty_connections_cannot_drain_the_body_budget(hooks: dict[str, Webhook
     """
     While 40 connections each hold almost 1 MiB of a body (and start over
     when cut), no normal review is refused and each is answered within a
-    second: at most 3 of 30 may be late on a machine shared with other
-    work (it is the webhook's CPU that decrypts the drainers' 40 MiB; a
-    refusal, what drained budget gave, has no such excuse).
+    second: at most 3 of 30 may be late on a machine shared with other work
+    (it is the webhook's CPU that decrypts the drainers' bodies and their
+    handshakes); a refusal, what a drained budget gave, has no such excuse.
     """
-    webhook = hooks["mounts"]
+    # The webhook with the long request deadline: the drainers that got in
+    # hold their bodies for the whole test, those refused start over every
+    # quarter second, and no normal review is cut by the deadline on a
+    # loaded machine.
+    webhook = hooks["cdi"]
     drainers = subprocess.Popen(
         [sys.executable, "-c", DRAINERS, str(webhook.port), str(webhook.tls["ca.crt"]),
          SERVICE_NAME, "40"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -258,6 +262,8 @@ def test_forty_connections_cannot_drain_the_body_budget(hooks: dict[str, Webhook
         assert drainers.stdout is not None
         assert wait_for(drainers.stdout.readline, "most drainers holding their bodies",
                         timeout=WAIT_SECONDS * 2) == "holding\n"
+        # The budget is full: a drainer was refused for want of room.
+        wait_for(lambda: refused_count(webhook, "busy") >= 1, "a drainer refused 503")
         body = json.dumps(admission_review(pod(gpu("cuda")), "drain")).encode()
         for _ in range(30):
             try:
@@ -274,7 +280,7 @@ def test_forty_connections_cannot_drain_the_body_budget(hooks: dict[str, Webhook
     finally:
         drainers.kill()
         drainers.wait()
-    assert (refused, failed) == (0, 0) and late <= 3, (answered, late, refused, failed)
+    assert refused == 0 and late + failed <= 3, (answered, late, refused, failed)
 
 
 def test_a_kept_alive_client_survives_a_connection_flood(hooks: dict[str, Webhook]) -> None:
@@ -307,7 +313,7 @@ def test_a_kept_alive_client_survives_a_connection_flood(hooks: dict[str, Webhoo
         for _ in range(5):
             assert "patch" in webhook.review(pod(gpu("cuda")), kept)
         assert len(flood) == 300
-        assert evicted(webhook) >= 300 - 256, "the flood passed the cap"
+        assert refused_count(webhook, "evicted") >= 300 - 256, "the flood passed the cap"
     finally:
         done.wait(WAIT_SECONDS)
         kept.close()
@@ -315,14 +321,15 @@ def test_a_kept_alive_client_survives_a_connection_flood(hooks: dict[str, Webhoo
             sock.close()
 
 
-def evicted(webhook: Webhook) -> float:
+def refused_count(webhook: Webhook, reason: str) -> float:
+    """C{hostpid_webhook_refused_requests_total{reason}}, from the webhook's /metrics."""
     connection = webhook.connection()
     try:
         connection.request("GET", "/metrics")
         text = connection.getresponse().read().decode()
     finally:
         connection.close()
-    match = re.search(r'^hostpid_webhook_refused_requests_total\{reason="evicted"\} (\S+)',
+    match = re.search(rf'^hostpid_webhook_refused_requests_total\{{reason="{reason}"\}} (\S+)',
                       text, re.M)
     assert match, text
     return float(match.group(1))
