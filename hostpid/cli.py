@@ -95,10 +95,41 @@ def _doctor(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     problem = broker_mount_problem(args.socket)
     if problem is not None:
         stdout.write(f"broker-mount FAIL {problem}\n")
+    # A user namespace changes what the owner and peer checks accept: say
+    # which rule the lines below were judged by (docs/userns.md).
+    namespace_line = _user_namespace_line(0)
+    if namespace_line is not None:
+        stdout.write(namespace_line)
     results = client.doctor(client.TrustPolicy(socket_path=args.socket))
     for result in results:
         stdout.write(_doctor_line(result, args.socket))
     return 0 if problem is None and all(result.ok for result in results) else 1
+
+
+def _user_namespace_line(trusted_uid: int) -> str | None:
+    """
+    C{user-namespace ok|FAIL ...} when this process is not (or may not be)
+    in the initial user namespace: which rule the doctor's checks apply.
+    """
+    from hostpid.client.userns import read_user_namespace
+
+    namespace = read_user_namespace()
+    if namespace.initial is True:
+        return None
+    if namespace.unmaps(trusted_uid):
+        return (
+            f"user-namespace ok {namespace.describe()}: host uid {trusted_uid} is not mapped; "
+            f"the broker's directory and socket must show as uid {trusted_uid} (an idmapped "
+            f"mount) or the overflow uid {namespace.overflow_uid} (a plain one), its listener "
+            f"as the overflow uid with pid 0 (docs/userns.md)\n"
+        )
+    if namespace.initial is None:
+        return f"user-namespace FAIL {namespace.describe()}: the host's rule applies\n"
+    return (
+        f"user-namespace ok {namespace.describe()}: host uid {trusted_uid} is mapped here, "
+        f"so the host's rule applies: the broker must show as uid {trusted_uid} "
+        "(docs/userns.md)\n"
+    )
 
 
 def _doctor_line(result: CheckResult, socket_path: str) -> str:

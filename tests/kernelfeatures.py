@@ -182,6 +182,63 @@ def probe_pidfd_get_info() -> tuple[bool, str]:
     return True, "ioctl answers"
 
 
+def probe_idmapped_mounts() -> tuple[bool, str]:
+    """
+    Linux 5.12+ (tmpfs 6.3+): an idmapped mount of a directory in C{/tmp},
+    where the user-namespace tests put the broker's, made as the tests and a
+    runtime make it: C{open_tree(OPEN_TREE_CLONE)} and
+    C{mount_setattr(MOUNT_ATTR_IDMAP)} with a user namespace that has a
+    mapping.  The mount is never attached; needs root.
+    """
+    import tempfile
+
+    import usernspod
+
+    ready_read, ready_write = os.pipe()
+    done_read, done_write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child only holds the namespace
+        os.close(ready_read)
+        os.close(done_write)
+        try:
+            usernspod.unshare(usernspod.CLONE_NEWUSER)
+            os.write(ready_write, b"u")
+        finally:
+            os.close(ready_write)
+            os.read(done_read, 1)
+            os._exit(0)
+    os.close(ready_write)
+    os.close(done_read)
+    directory = tempfile.mkdtemp(prefix="hostpid-idmap-probe-", dir="/tmp")
+    try:
+        namespace = f"/proc/{child}/ns/user"
+        if os.read(ready_read, 1) != b"u":
+            raise ProbeError("the child could not make a user namespace")
+        usernspod.write_maps(child)
+        try:
+            tree = usernspod.open_tree(directory, usernspod.OPEN_TREE_CLONE | os.O_CLOEXEC)
+        except OSError as error:
+            _absent_if(error, errno.ENOSYS)
+            return False, "open_tree: ENOSYS"
+        try:
+            userns = os.open(namespace, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                usernspod.mount_setattr(tree, usernspod.MOUNT_ATTR_IDMAP, userns)
+            except OSError as error:
+                _absent_if(error, errno.ENOSYS, errno.EINVAL)
+                return False, f"mount_setattr: {errno.errorcode[error.errno or 0]}"
+            finally:
+                os.close(userns)
+        finally:
+            os.close(tree)
+        return True, "MOUNT_ATTR_IDMAP set on a clone of a directory in /tmp"
+    finally:
+        os.close(ready_read)
+        os.close(done_write)
+        os.waitpid(child, 0)
+        os.rmdir(directory)
+
+
 #: Every feature a test may name, with its probe.
 PROBES: dict[str, Callable[[], tuple[bool, str]]] = {
     "SO_PASSRIGHTS": probe_so_passrights,
@@ -191,6 +248,7 @@ PROBES: dict[str, Callable[[], tuple[bool, str]]] = {
     "pidfd_open": probe_pidfd_open,
     "pidfd_send_signal": probe_pidfd_send_signal,
     "PIDFD_GET_INFO": probe_pidfd_get_info,
+    "idmapped_mounts": probe_idmapped_mounts,
 }
 
 _probed: dict[str, Probe] = {}

@@ -9,9 +9,10 @@ Layers, bottom up:
     metrics server and of the webhook);
     they import no side (C{values} nothing of the project at all, and C{wire}
     nothing but C{values});
-  - sides: C{broker}, C{client}, C{node}, C{admission}; each imports the
-    shared modules and its own side, never another side (but C{admission}
-    takes the canonical mounts and CDI names from C{node}, see L{ALLOWED});
+  - sides: C{broker}, C{client}, C{node}, C{admission}, C{nri}; each imports
+    the shared modules and its own side, never another side (but
+    C{admission} and C{nri} take the canonical mounts and CDI names from
+    C{node}, see L{ALLOWED});
   - the top: the package itself (the public API), C{cli} and C{testing},
     which may use the sides but not one another.
 
@@ -39,7 +40,7 @@ SHARED = {
     "wire", "gate", "peercred", "ucred", "starttime", "defaults", "errors", "logs", "version",
     "values", "boundedhttp",
 }
-SIDES = {"broker", "client", "node", "admission"}
+SIDES = {"broker", "client", "node", "admission", "nri"}
 TOP = {"", "cli", "testing", "tap", "allocation"}
 
 
@@ -177,6 +178,8 @@ ALLOWED: set[tuple[str, str]] = {
     # canonical mounts and the same CDI device name, never a copy of them.
     ("hostpid.admission.decision", "hostpid.node.allocation"),
     ("hostpid.admission.decision", "hostpid.node.cdi"),
+    # The NRI plugin likewise gives a container the allocation's own mounts.
+    ("hostpid.nri.decision", "hostpid.node.allocation"),
 }
 
 

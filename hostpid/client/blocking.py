@@ -173,7 +173,7 @@ def _doctor_exchange(
         credentials: PeerCredentials | OSError = peer_credentials(connection.sock)
     except OSError as error:
         credentials = error
-    for verdict in check_peer_identity(credentials, policy.trusted_uid):
+    for verdict in check_peer_identity(credentials, policy.trusted_uid, layout.namespace):
         results[verdict.name] = verdict
     if any(not results[name].ok and policy.enforces(name) for name in (PEER_UID, PEER_PID)):
         return

@@ -129,7 +129,9 @@ def checked_transaction(policy: Requirements) -> tuple[int, tuple[CheckResult, .
                 credentials: PeerCredentials | OSError = peer_credentials(connection.sock)
             except OSError as error:
                 credentials = error
-            for verdict in check_peer_identity(credentials, policy.trusted_uid):
+            for verdict in check_peer_identity(
+                credentials, policy.trusted_uid, layout.namespace
+            ):
                 policy.require(verdict)
             connection.send(wire.GET_HOST_PID_REQUEST)
             pid = host_pid_from_reply(connection.receive(wire.RESPONSE_SIZE))

@@ -213,37 +213,86 @@ def check_gate(environ: Mapping[str, str] | None = None) -> CheckResult:
     return CheckResult(GATE, gate.gate_enabled(environ), observed)
 
 
-def check_directory(info: os.stat_result | OSError, trusted_uid: int) -> CheckResult:
+def _owner_as_mounted(
+    uid: int, trusted_uid: int, namespace: userns.UserNamespace | None
+) -> str | None:
+    """
+    In a user namespace that does not map C{trusted_uid}: the words for an
+    owner that is the host's C{trusted_uid} as a mount can show it, or
+    C{None} (the host's rule judges, and refuses anything else).
+
+    An idmapped mount with the pod's mapping shows the host's owner as the
+    same number; a mount without an idmapping shows it as the overflow UID.
+    Either number is also one the pod maps (its root, its nobody), so the
+    owner alone proves nothing here: what keeps the pod's own files away
+    from this path is that only the runtime (or a process with
+    C{CAP_SYS_ADMIN} over this mount namespace) can mount there, and the
+    listener must still show as the overflow UID with PID 0 (docs/userns.md).
+    """
+    if namespace is None:
+        namespace = userns.read_user_namespace()
+    if not namespace.unmaps(trusted_uid):
+        return None
+    if uid == trusted_uid:
+        return f" (the host's uid {trusted_uid} through an idmapped mount)"
+    if uid == namespace.overflow_uid:
+        return f" (the host's uid {trusted_uid} on a mount without an idmapping)"
+    return None
+
+
+def check_directory(
+    info: os.stat_result | OSError, trusted_uid: int,
+    namespace: userns.UserNamespace | None = None,
+) -> CheckResult:
     """
     Judge the directory from its C{lstat}: a symlink is not followed, since
-    whoever controls its target would control the answer.
+    whoever controls its target would control the answer.  In a user
+    namespace that does not map the trusted UID the owner is judged as the
+    mount shows it (L{_owner_as_mounted}): the same number through an
+    idmapped broker mount, the overflow UID through a plain one.
     """
     if isinstance(info, OSError):
         return CheckResult(DIRECTORY, False, f"cannot open: {os_error_text(info)}")
     described = _describe(info)
     if not stat.S_ISDIR(info.st_mode):
         return CheckResult(DIRECTORY, False, f"{described}: not a real directory")
+    owner = _owner_as_mounted(info.st_uid, trusted_uid, namespace)
+    if owner is not None:
+        if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return CheckResult(DIRECTORY, False, f"{described}: group or other may write")
+        return CheckResult(DIRECTORY, True, f"{described}{owner}")
     if info.st_uid != trusted_uid:
         return CheckResult(
             DIRECTORY, False,
-            f"{described}: owner is not uid {trusted_uid}{userns.owner_hint(info.st_uid)}",
+            f"{described}: owner is not uid {trusted_uid}"
+            f"{userns.owner_hint(info.st_uid, namespace, trusted_uid)}",
         )
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         return CheckResult(DIRECTORY, False, f"{described}: group or other may write")
     return CheckResult(DIRECTORY, True, described)
 
 
-def check_socket(info: os.stat_result | OSError, trusted_uid: int) -> CheckResult:
-    """Judge the socket path from its C{lstat}: a socket owned by the trusted UID."""
+def check_socket(
+    info: os.stat_result | OSError, trusted_uid: int,
+    namespace: userns.UserNamespace | None = None,
+) -> CheckResult:
+    """
+    Judge the socket path from its C{lstat}: a socket owned by the trusted
+    UID (as the mount shows it, in a user namespace: see L{check_directory}).
+    """
     if isinstance(info, OSError):
         return CheckResult(SOCKET, False, f"cannot lstat: {os_error_text(info)}")
     described = _describe(info)
     if not stat.S_ISSOCK(info.st_mode):
         return CheckResult(SOCKET, False, f"{described}: not a socket")
+    owner = _owner_as_mounted(info.st_uid, trusted_uid, namespace)
+    if owner is not None:
+        return CheckResult(SOCKET, True, f"{described}{owner}")
     if info.st_uid != trusted_uid:
         return CheckResult(
             SOCKET, False,
-            f"{described}: owner is not uid {trusted_uid}{userns.owner_hint(info.st_uid)}",
+            f"{described}: owner is not uid {trusted_uid}"
+            f"{userns.owner_hint(info.st_uid, namespace, trusted_uid)}",
         )
     return CheckResult(SOCKET, True, described)
 
@@ -260,19 +309,74 @@ def check_read_only(info: os.statvfs_result | OSError) -> CheckResult:
     return CheckResult(READ_ONLY_MOUNT, False, "read-write mount")
 
 
-def check_peer(credentials: PeerCredentials | OSError, trusted_uid: int) -> CheckResult:
-    """Judge the listener's credentials, as the kernel recorded them at C{listen()}."""
+def check_peer(
+    credentials: PeerCredentials | OSError, trusted_uid: int,
+    namespace: userns.UserNamespace | None = None,
+) -> CheckResult:
+    """
+    Judge the listener's credentials, as the kernel recorded them at
+    C{listen()}.
+
+    In the initial user namespace (and wherever the trusted UID is mapped)
+    the listener must run as the trusted UID.  In a user namespace that
+    does not map it, the kernel shows the host's root as the overflow UID
+    (C{cred_to_ucred}: C{from_kuid_munged}), which is also a UID that a pod's
+    own mapping maps: so the overflow UID passes only together with PID 0,
+    a listener outside this PID namespace, never a process of this
+    container (C{docs/userns.md} argues the rule).  The trusted UID as the
+    namespace shows it still passes, with C{peer-pid} judging its PID as
+    everywhere: the pod's own root is refused there unless outside this PID
+    namespace, the same class of listener as an overflow UID with PID 0.
+    """
     if isinstance(credentials, OSError):
         return CheckResult(
             PEER_UID, False, f"cannot read SO_PEERCRED: {os_error_text(credentials)}"
         )
     observed = f"uid {credentials.uid} (pid {credentials.pid})"
+    if namespace is None:
+        namespace = userns.read_user_namespace()
+    if namespace.unmaps(trusted_uid):
+        return _check_unmapped_peer(credentials, trusted_uid, namespace, observed)
     if credentials.uid != trusted_uid:
         return CheckResult(
             PEER_UID, False,
-            f"{observed}: not uid {trusted_uid}{userns.owner_hint(credentials.uid)}",
+            f"{observed}: not uid {trusted_uid}"
+            f"{userns.owner_hint(credentials.uid, namespace, trusted_uid)}",
         )
     return CheckResult(PEER_UID, True, observed)
+
+
+def _check_unmapped_peer(
+    credentials: PeerCredentials, trusted_uid: int, namespace: userns.UserNamespace,
+    observed: str,
+) -> CheckResult:
+    overflow = namespace.overflow_uid
+    if credentials.uid == trusted_uid:
+        # The trusted UID as this namespace shows it (a test double run by
+        # this pod, or the pod's root): the same rule as the host's, and
+        # peer-pid then judges where the listener is.
+        return CheckResult(
+            PEER_UID, True, f"{observed}: uid {trusted_uid} as this user namespace shows it"
+        )
+    if credentials.uid != overflow:
+        return CheckResult(
+            PEER_UID, False,
+            f"{observed}: not the overflow uid {overflow}: in this user namespace, where "
+            f"uid {trusted_uid} of the host is not mapped, the host's broker shows as uid "
+            f"{overflow}; uid {credentials.uid} is one this namespace maps",
+        )
+    if credentials.pid != 0:
+        return CheckResult(
+            PEER_UID, False,
+            f"{observed}: the overflow uid {overflow} with pid {credentials.pid}, a process of "
+            f"this PID namespace: uid {overflow} is also one this user namespace maps "
+            "(nobody), and only pid 0 (outside this PID namespace) sets the host's broker apart",
+        )
+    return CheckResult(
+        PEER_UID, True,
+        f"{observed}: the overflow uid outside this PID namespace, as the host's uid "
+        f"{trusted_uid} shows in this {namespace.describe()}",
+    )
 
 
 def check_peer_pid(
@@ -295,10 +399,11 @@ def check_peer_pid(
 
 
 def check_peer_identity(
-    credentials: PeerCredentials | OSError, trusted_uid: int
+    credentials: PeerCredentials | OSError, trusted_uid: int,
+    namespace: userns.UserNamespace | None = None,
 ) -> tuple[CheckResult, CheckResult]:
     """The two verdicts on C{SO_PEERCRED}, in order: C{peer-uid}, C{peer-pid}."""
-    return check_peer(credentials, trusted_uid), check_peer_pid(credentials)
+    return check_peer(credentials, trusted_uid, namespace), check_peer_pid(credentials)
 
 
 def check_sandbox(signals: sandbox.SandboxSignals) -> CheckResult:
@@ -371,11 +476,15 @@ class Layout:
         results: tuple[CheckResult, ...],
         directory_fd: int | None,
         connectable: bool,
+        namespace: userns.UserNamespace | None = None,
     ) -> None:
         self.socket_path = socket_path
         self.results = results
         self.directory_fd = directory_fd
         self.connectable = connectable
+        #: The user namespace the checks judged in, read once: the peer
+        #: checks judge in the same one.
+        self.namespace = namespace if namespace is not None else userns.read_user_namespace()
 
     def address(self) -> str:
         """
@@ -437,7 +546,8 @@ def inspect_layout(policy: TrustPolicy | Requirements) -> Layout:
                     fd = _open_path(directory, follow=True)
                 except OSError:
                     fd = None
-    directory_result = check_directory(directory_info, policy.trusted_uid)
+    namespace = userns.read_user_namespace()
+    directory_result = check_directory(directory_info, policy.trusted_uid, namespace)
     sandbox_result = check_sandbox(sandbox.read_signals(fd))
     if fd is None:
         unseen = "not checked: the directory cannot be opened"
@@ -451,6 +561,7 @@ def inspect_layout(policy: TrustPolicy | Requirements) -> Layout:
             ),
             directory_fd=None,
             connectable=False,
+            namespace=namespace,
         )
     try:
         socket_info: os.stat_result | OSError = os.stat(name, dir_fd=fd, follow_symlinks=False)
@@ -466,11 +577,12 @@ def inspect_layout(policy: TrustPolicy | Requirements) -> Layout:
         results=(
             sandbox_result,
             directory_result,
-            check_socket(socket_info, policy.trusted_uid),
+            check_socket(socket_info, policy.trusted_uid, namespace),
             check_read_only(mount_info),
         ),
         directory_fd=fd,
         connectable=connectable,
+        namespace=namespace,
     )
 
 

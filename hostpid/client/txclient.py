@@ -155,6 +155,8 @@ class _TwistedTransaction:
     ) -> None:
         self.policy = policy
         self._layout = layout
+        #: Read with the layout: the peer checks judge in the same namespace.
+        self.namespace = layout.namespace
         self._reactor = reactor
         self._clock = clock
         self._sock: _socket.socket | None = None
@@ -316,7 +318,9 @@ class _ReplyProtocol(Protocol):
             credentials = error
         policy = self.transaction.policy
         try:
-            for verdict in check_peer_identity(credentials, policy.trusted_uid):
+            for verdict in check_peer_identity(
+                credentials, policy.trusted_uid, self.transaction.namespace
+            ):
                 policy.require(verdict)
         except HostPidUnavailable as problem:
             self.transaction.fail(problem)

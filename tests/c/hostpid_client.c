@@ -15,6 +15,15 @@
  * namespace (there, this process itself is what gVisor echoes on a host
  * socket), and a real PID in the host's.
  *
+ * In a user namespace that does not map the trusted UID (Kubernetes
+ * hostUsers: false; docs/userns.md argues the rule) the owner and peer
+ * checks change, and only there: the directory and the socket may show the
+ * host's root as the trusted UID (an idmapped mount) or as the overflow UID
+ * (a plain one), and the listener as the trusted UID (peer-pid then judges
+ * its PID) or as the overflow UID with PID 0.
+ * The initial user namespace (uid_map "0 0 4294967295") keeps the trusted
+ * UID exactly; an unreadable uid_map is judged as the initial one.
+ *
  * Usage:
  *   hostpid_client [--socket PATH] [--trusted-uid UID] [--deadline-ms MS]
  *                  [--without CHECK]... [--barrier-fd FD]
@@ -64,6 +73,53 @@ struct options {
     unsigned skipped;
     int barrier_fd;
 };
+
+/*
+ * The user namespace, read once: whether the rule for a namespace that does
+ * not map the trusted UID applies, and what the kernel shows an unmapped UID
+ * as.
+ */
+struct user_namespace {
+    int unmaps_trusted;
+    uid_t overflow_uid;
+};
+
+static struct user_namespace read_user_namespace(uid_t trusted_uid)
+{
+    struct user_namespace found = {.unmaps_trusted = 0, .overflow_uid = 65534};
+    FILE *overflow = fopen("/proc/sys/kernel/overflowuid", "re");
+    if (overflow != NULL) {
+        unsigned long value;
+        if (fscanf(overflow, "%lu", &value) == 1)
+            found.overflow_uid = (uid_t)value;
+        fclose(overflow);
+    }
+    FILE *map = fopen("/proc/self/uid_map", "re");
+    if (map == NULL)
+        return found; /* unknown: the host's rule, which refuses here */
+    unsigned long inside, outside, count;
+    int extents = 0, identity = 0, covers = 0;
+    while (fscanf(map, "%lu %lu %lu", &inside, &outside, &count) == 3) {
+        extents++;
+        if (inside == 0 && outside == 0 && count == 4294967295UL)
+            identity = 1;
+        if (outside <= trusted_uid && trusted_uid - outside < count)
+            covers = 1;
+    }
+    int complete = feof(map);
+    fclose(map);
+    if (complete && extents > 0 && !(extents == 1 && identity) && !covers)
+        found.unmaps_trusted = 1;
+    return found;
+}
+
+/* Whether OWNER is the host's trusted UID as a mount can show it here. */
+static int owner_is_trusted(uid_t owner, uid_t trusted_uid, const struct user_namespace *ns)
+{
+    if (owner == trusted_uid)
+        return 1; /* the host's rule, or an idmapped mount with the pod's mapping */
+    return ns->unmaps_trusted && owner == ns->overflow_uid; /* a plain mount */
+}
 
 static int fail(const char *check, const char *format, ...)
 {
@@ -246,6 +302,8 @@ int main(int argc, char **argv)
         directory[length] = '\0';
     }
 
+    struct user_namespace ns = read_user_namespace(options.trusted_uid);
+
     /* directory: judged from its lstat, through one O_PATH descriptor */
     int directory_fd = open(directory, O_PATH | O_NOFOLLOW | O_CLOEXEC);
     int open_error = errno;
@@ -262,9 +320,10 @@ int main(int argc, char **argv)
     if (!(options.skipped & SKIP_DIRECTORY)) {
         if (!S_ISDIR(info.st_mode))
             return fail("directory", "%s: not a real directory", kind(info.st_mode));
-        if (info.st_uid != options.trusted_uid)
-            return fail("directory", "owner uid %u is not uid %u", (unsigned)info.st_uid,
-                        (unsigned)options.trusted_uid);
+        if (!owner_is_trusted(info.st_uid, options.trusted_uid, &ns))
+            return fail("directory", "owner uid %u is not uid %u%s", (unsigned)info.st_uid,
+                        (unsigned)options.trusted_uid,
+                        ns.unmaps_trusted ? " (user namespace: nor the overflow uid)" : "");
         if (info.st_mode & (S_IWGRP | S_IWOTH))
             return fail("directory", "mode %04o: group or other may write",
                         (unsigned)(info.st_mode & 07777));
@@ -281,9 +340,10 @@ int main(int argc, char **argv)
     if (!(options.skipped & SKIP_SOCKET)) {
         if (!S_ISSOCK(info.st_mode))
             return fail("socket", "%s: not a socket", kind(info.st_mode));
-        if (info.st_uid != options.trusted_uid)
-            return fail("socket", "owner uid %u is not uid %u", (unsigned)info.st_uid,
-                        (unsigned)options.trusted_uid);
+        if (!owner_is_trusted(info.st_uid, options.trusted_uid, &ns))
+            return fail("socket", "owner uid %u is not uid %u%s", (unsigned)info.st_uid,
+                        (unsigned)options.trusted_uid,
+                        ns.unmaps_trusted ? " (user namespace: nor the overflow uid)" : "");
     }
 
     /* read-only-mount */
@@ -341,6 +401,16 @@ int main(int argc, char **argv)
         credentials_error = errno;
         if (!(options.skipped & SKIP_PEER_UID))
             return fail("peer-uid", "cannot read SO_PEERCRED: %s", strerror(errno));
+    } else if (!(options.skipped & SKIP_PEER_UID) && ns.unmaps_trusted &&
+               credentials.uid != options.trusted_uid) {
+        /* The host's root shows as the overflow uid, which the pod maps too
+         * (its nobody): only pid 0, a listener outside this PID namespace,
+         * sets the host's broker apart.  The trusted uid as shown here
+         * passes as on the host, and peer-pid judges its PID. */
+        if (credentials.uid != ns.overflow_uid || credentials.pid != 0)
+            return fail("peer-uid", "uid %u (pid %d): not the overflow uid %u with pid 0 "
+                        "(user namespace)", (unsigned)credentials.uid, (int)credentials.pid,
+                        (unsigned)ns.overflow_uid);
     } else if (!(options.skipped & SKIP_PEER_UID) && credentials.uid != options.trusted_uid) {
         return fail("peer-uid", "uid %u (pid %d): not uid %u", (unsigned)credentials.uid,
                     (int)credentials.pid, (unsigned)options.trusted_uid);

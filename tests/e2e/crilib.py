@@ -38,11 +38,12 @@ import tarfile
 import tempfile
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import attrs
 from support import require_tool, skip_or_fail, wait_for
 
 PROTO = Path(__file__).resolve().parent / "cri" / "runtime_v1.proto"
@@ -50,6 +51,30 @@ PROTO = Path(__file__).resolve().parent / "cri" / "runtime_v1.proto"
 #: The Debian suite and package: containerd 1.7 with CDI in its CRI plugin.
 CONTAINERD_SUITE = "trixie"
 CONTAINERD_PACKAGE = "containerd"
+
+
+@attrs.frozen
+class Release:
+    """
+    A containerd release line the tests run: the Debian suite that carries
+    it and the configuration format it reads (1.7 reads version 2, where
+    the CRI plugin is C{io.containerd.grpc.v1.cri}; 2.x reads version 3,
+    where it is split into C{io.containerd.cri.v1.runtime} and
+    C{io.containerd.cri.v1.images}, as C{containerd config default} of each
+    prints).
+    """
+
+    name: str
+    suite: str
+    config_version: int
+
+
+#: trixie's 1.7.24 (NRI off unless configured), and forky's 2.1.9 (NRI on by
+#: default; its binary needs glibc 2.34 and runs here beside bookworm's runc).
+RELEASES = {
+    "1.7": Release("1.7", "trixie", 2),
+    "2.1": Release("2.1", "forky", 3),
+}
 
 #: The CRI plugin's containerd namespace.
 K8S_NAMESPACE = "k8s.io"
@@ -61,22 +86,51 @@ CALL_TIMEOUT = 60.0
 
 SHIM_SOCKET_ROOT = Path("/run/containerd/s")
 
+#: Debian's CNI plugins (containernetworking-plugins): its C{loopback}.
+CNI_BIN = Path("/usr/lib/cni")
 
-def unpacked_containerd() -> Path:
+#: The pod network: a network namespace of the pod's own, with only its
+#: loopback up.  A pod that must not use the node's network (Pod Security
+#: C{baseline} and C{restricted} refuse C{hostNetwork}) runs with no route
+#: anywhere, which is all the tests need.  containerd attaches its own
+#: loopback network (Debian's CNI C{loopback} plugin) and then one more
+#: configured network, from whose result it takes the pod's IP
+#: (C{eth0}'s): L{NETWORK_PLUGIN} reports one and creates nothing, so a run
+#: makes no interface, bridge or route on the node.
+NETWORK = {"cniVersion": "0.4.0", "name": "hostpid-e2e",
+           "plugins": [{"type": "hostpid-e2e-net"}]}
+
+NETWORK_PLUGIN = """\
+#!/bin/sh
+# A CNI plugin that reports an address and creates nothing (tests only).
+case "$CNI_COMMAND" in
+  ADD) printf '{"cniVersion":"0.4.0","interfaces":[{"name":"eth0","sandbox":"%s"}],\
+"ips":[{"version":"4","address":"192.0.2.2/32","interface":0}]}' "$CNI_NETNS" ;;
+  VERSION) printf '{"cniVersion":"0.4.0","supportedVersions":["0.3.0","0.3.1","0.4.0"]}' ;;
+esac
+"""
+
+
+def unpacked_package(suite: str, package: str) -> Path:
     """
-    The directory trixie's containerd package is unpacked in (fetched once,
+    The directory C{suite}'s C{package} is unpacked in (fetched once,
     cached with the kernel matrix's packages); skips (fails in CI) when
     Debian's archive cannot be reached.
     """
     from kernels import debian
 
     try:
-        apt = debian.PrivateApt.create(CONTAINERD_SUITE, debian.machine_source())
+        apt = debian.PrivateApt.create(suite, debian.machine_source())
         apt.update()
-        return debian.unpack(apt, CONTAINERD_PACKAGE)
+        return debian.unpack(apt, package)
     except (RuntimeError, OSError, subprocess.SubprocessError) as error:
-        skip_or_fail(f"containerd from {CONTAINERD_SUITE} could not be fetched: {error}")
+        skip_or_fail(f"{package} from {suite} could not be fetched: {error}")
         raise AssertionError("unreachable") from error
+
+
+def unpacked_containerd(suite: str = CONTAINERD_SUITE) -> Path:
+    """The directory C{suite}'s containerd package is unpacked in."""
+    return unpacked_package(suite, CONTAINERD_PACKAGE)
 
 
 def compile_messages(out_dir: Path) -> ModuleType:
@@ -206,14 +260,40 @@ def write_image(path: Path, busybox: Path, client: Path, name: str = IMAGE) -> N
                        0o644, data)
 
 
-def config_toml(workdir: Path, runc: str) -> str:
+def nri_section(table: str, workdir: Path, nri_socket: Path | None) -> str:
+    """
+    The NRI plugin's table (C{pkg/nri/config.go} in containerd 1.7 and
+    C{internal/nri/config.go} in 2.x: the same keys): on with C{nri_socket}
+    as its socket, so that no run ever touches C{/var/run/nri}; its
+    pre-launched plugin and drop-in directories private (and empty).  Off
+    without a socket.
+    """
+    if nri_socket is None:
+        return f"[{table}]\n  disable = true\n"
+    return f"""\
+[{table}]
+  disable = false
+  disable_connections = false
+  socket_path = "{nri_socket}"
+  plugin_path = "{workdir / 'nri' / 'plugins'}"
+  plugin_config_path = "{workdir / 'nri' / 'conf.d'}"
+  plugin_registration_timeout = "5s"
+  plugin_request_timeout = "2s"
+"""
+
+
+def config_toml(workdir: Path, runc: str, config_version: int = 2,
+                nri_socket: Path | None = None) -> str:
     """
     containerd's configuration: everything private to C{workdir}; the CRI
     plugin with CDI on, reading specs from C{workdir/cdi} only; the test
-    image as the sandbox image; runc through the v2 shim, cgroupfs driver.
-    No CNI configuration: the tests' sandboxes use the node's network.
+    image as the sandbox image; runc through the v2 shim, cgroupfs driver;
+    NRI as L{nri_section} says.  The pod network is L{NETWORK}.
     """
+    if config_version == 3:
+        return config_toml_v3(workdir, runc, nri_socket)
     cri = 'plugins."io.containerd.grpc.v1.cri"'
+    nri = nri_section('plugins."io.containerd.nri.v1.nri"', workdir, nri_socket)
     return f"""\
 version = 2
 root = "{workdir / 'root'}"
@@ -240,6 +320,9 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
   # The sandbox's oom_score_adj (-998) clamped to containerd's own: this
   # machine (itself a container) does not let root lower it.
   restrict_oom_score_adj = true
+  # A pod network's namespace is mounted under the state directory, not the
+  # node's /var/run/netns, so that a run leaves nothing outside its own.
+  netns_mounts_under_state_dir = true
 
 [{cri}.containerd]
   snapshotter = "overlayfs"
@@ -256,7 +339,68 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
 [{cri}.cni]
   bin_dir = "{workdir / 'cni' / 'bin'}"
   conf_dir = "{workdir / 'cni' / 'net.d'}"
-"""
+
+{nri}"""
+
+
+def config_toml_v3(workdir: Path, runc: str, nri_socket: Path | None) -> str:
+    """
+    L{config_toml} in containerd 2.x's format (version 3, as its C{config
+    default} prints it): the runtime half of the CRI plugin under
+    C{io.containerd.cri.v1.runtime}, the sandbox image pinned under
+    C{io.containerd.cri.v1.images}.
+    """
+    runtime = "plugins.'io.containerd.cri.v1.runtime'"
+    images = "plugins.'io.containerd.cri.v1.images'"
+    nri = nri_section("plugins.'io.containerd.nri.v1.nri'", workdir, nri_socket)
+    return f"""\
+version = 3
+root = "{workdir / 'root'}"
+state = "{workdir / 'state'}"
+disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs",
+                    "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.erofs",
+                    "io.containerd.snapshotter.v1.blockfile", "io.containerd.differ.v1.erofs",
+                    "io.containerd.tracing.processor.v1.otlp", "io.containerd.internal.v1.tracing"]
+
+[grpc]
+  address = "{workdir / 'containerd.sock'}"
+
+[ttrpc]
+  address = "{workdir / 'containerd.sock.ttrpc'}"
+
+[plugins.'io.containerd.internal.v1.opt']
+  path = "{workdir / 'opt'}"
+
+[{images}]
+  snapshotter = "overlayfs"
+
+[{images}.pinned_images]
+  sandbox = "{IMAGE}"
+
+[{runtime}]
+  enable_cdi = true
+  cdi_spec_dirs = ["{workdir / 'cdi'}"]
+  disable_apparmor = true
+  enable_selinux = false
+  restrict_oom_score_adj = true
+  netns_mounts_under_state_dir = true
+
+[{runtime}.containerd]
+  default_runtime_name = "runc"
+
+[{runtime}.containerd.runtimes.runc]
+  runtime_type = "io.containerd.runc.v2"
+
+[{runtime}.containerd.runtimes.runc.options]
+  BinaryName = "{runc}"
+  Root = "{workdir / 'runc'}"
+  SystemdCgroup = false
+
+[{runtime}.cni]
+  bin_dirs = ["{workdir / 'cni' / 'bin'}"]
+  conf_dir = "{workdir / 'cni' / 'net.d'}"
+
+{nri}"""
 
 
 def _mountpoints_under(directory: Path) -> list[str]:
@@ -288,38 +432,68 @@ class Containerd:
     """One private containerd with its CRI plugin, started and torn down by the test."""
 
     def __init__(self, workdir: Path, package: Path, image_tar: Path,
-                 messages: ModuleType) -> None:
+                 messages: ModuleType, config_version: int = 2, nri: bool = False) -> None:
         self.workdir = workdir
         self.bin = package / "usr" / "bin"
         self.socket = workdir / "containerd.sock"
+        #: The runtime's NRI socket (private to this run), when NRI is on.
+        self.nri_socket = workdir / "nri" / "nri.sock" if nri else None
         self.cdi_dir = workdir / "cdi"
         self.log_dir = workdir / "pods"
         #: The cgroup parent the test's pods get, one per run (removed at teardown).
         self.cgroup_parent = f"/hostpid-cri-e2e-{uuid.uuid4().hex[:8]}"
         for sub in ("cdi", "pods", "cni/bin", "cni/net.d"):
             (workdir / sub).mkdir(parents=True, exist_ok=True)
+        (workdir / "cni" / "net.d" / "10-hostpid-e2e.conflist").write_text(json.dumps(NETWORK))
+        plugin = workdir / "cni" / "bin" / "hostpid-e2e-net"
+        plugin.write_text(NETWORK_PLUGIN)
+        plugin.chmod(0o755)
+        (workdir / "cni" / "bin" / "loopback").symlink_to(CNI_BIN / "loopback")
         self.runc = os.path.realpath(require_tool("runc"))
         #: containerd's shims listen under C{/run/containerd/s} whatever the
         #: configuration says (runtime/v2/shim/util_unix.go C{socketRoot});
         #: what this run creates there is removed at teardown.
         self._created = [d for d in (SHIM_SOCKET_ROOT.parent, SHIM_SOCKET_ROOT)
                          if not d.exists()]
-        (workdir / "config.toml").write_text(config_toml(workdir, self.runc))
-        self.log = open(workdir / "containerd.log", "wb")  # noqa: SIM115 (closed in close())
-        env = {"PATH": f"{self.bin}:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root"}
-        self.process = subprocess.Popen(
-            [str(self.bin / "containerd"), "--config", str(workdir / "config.toml"),
-             "--log-level", "info"],
-            stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-            cwd=workdir,
-        )
+        (workdir / "config.toml").write_text(
+            config_toml(workdir, self.runc, config_version, self.nri_socket))
+        self.log = open(workdir / "containerd.log", "ab")  # noqa: SIM115 (closed in close())
         self.client = CriClient(self.socket, messages)
+        self.process = self._start()
         try:
             wait_for(self._answers, "containerd's CRI Version call", 60.0)
             self.ctr("images", "import", "--platform", "linux/amd64", str(image_tar))
         except BaseException:
             self.close()
             raise
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        env = {"PATH": f"{self.bin}:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root"}
+        return subprocess.Popen(
+            [str(self.bin / "containerd"), "--config", str(self.workdir / "config.toml"),
+             "--log-level", "info"],
+            stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+            cwd=self.workdir,
+        )
+
+    def _stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def restart(self) -> None:
+        """
+        Stop containerd (SIGTERM, as systemd stops it) and start it again on
+        the same configuration and state; its shims, and so the running
+        containers, outlive it as they do in production.
+        """
+        self._stop()
+        self.process = self._start()
+        wait_for(self._answers, "containerd's CRI Version call after a restart", 60.0)
 
     def _answers(self) -> bool:
         if self.process.poll() is not None:
@@ -355,13 +529,7 @@ class Containerd:
             for container_id in os.listdir(runc_root):
                 subprocess.run([self.runc, "--root", str(runc_root), "delete", "--force",
                                 container_id], capture_output=True, timeout=60, check=False)
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        self._stop()
         self.log.close()
         # Shims are started with this run's socket address and outlive containerd.
         for pid in _pids_naming(str(self.socket)):
@@ -415,14 +583,32 @@ class Containerd:
 
 @contextmanager
 def running_containerd(image_tar: Path, messages: ModuleType,
-                       package: Path | None = None) -> Iterator[Containerd]:
+                       package: Path | None = None, release: Release = RELEASES["1.7"],
+                       nri: bool = False) -> Iterator[Containerd]:
     workdir = Path(tempfile.mkdtemp(prefix="hostpid-cri-", dir="/tmp"))
     os.chmod(workdir, 0o711)
-    daemon = Containerd(workdir, package or unpacked_containerd(), image_tar, messages)
+    daemon = Containerd(workdir, package or unpacked_containerd(release.suite), image_tar,
+                        messages, release.config_version, nri)
     try:
         yield daemon
     finally:
         daemon.close()
+
+
+@attrs.define
+class Containerds:
+    """The session's containerds, started on first use, stopped at the session's end."""
+
+    image: Path
+    messages: ModuleType
+    stack: ExitStack
+    started: dict[str, Containerd] = attrs.Factory(dict)
+
+    def get(self, release: str = "1.7") -> Containerd:
+        if release not in self.started:
+            self.started[release] = self.stack.enter_context(running_containerd(
+                self.image, self.messages, release=RELEASES[release], nri=True))
+        return self.started[release]
 
 
 def read_cri_log(path: Path) -> tuple[str, str]:

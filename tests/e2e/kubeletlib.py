@@ -14,7 +14,8 @@ step names the kubelet code it follows (kubernetes/kubernetes, pkg/kubelet):
 - C{cm/devicemanager/pod_devices.go} C{deviceRunContainerOptions}: every
   allocation response of the container's resources folded into one set of
   options; an env, a mount's container path or an annotation already set by
-  an earlier response is skipped; CDI device names are kept once each.
+  an earlier response is skipped; CDI device names are kept once each;
+  device specs become the ContainerConfig's C{devices}.
 - C{kubelet_pods.go} C{GenerateRunContainerOptions}: the device options
   first, then the container's own env (C{makeEnvironmentVariables}) and its
   volume mounts (C{makeMounts}: a hostPath volume becomes a mount of its
@@ -71,6 +72,15 @@ class KubeMount:
 
 
 @attrs.frozen
+class KubeDevice:
+    """C{kubecontainer.DeviceInfo}: one device node the runtime adds."""
+
+    container_path: str
+    host_path: str
+    permissions: str = "rw"
+
+
+@attrs.frozen
 class RunContainerOptions:
     """The parts of C{kubecontainer.RunContainerOptions} a ContainerConfig is made from."""
 
@@ -78,6 +88,7 @@ class RunContainerOptions:
     mounts: tuple[KubeMount, ...] = ()
     annotations: tuple[tuple[str, str], ...] = ()
     cdi_devices: tuple[str, ...] = ()
+    devices: tuple[KubeDevice, ...] = ()
 
 
 def device_options(responses: Iterable[Mapping[str, Any]]) -> RunContainerOptions:
@@ -91,6 +102,7 @@ def device_options(responses: Iterable[Mapping[str, Any]]) -> RunContainerOption
     mounts: dict[str, KubeMount] = {}
     annotations: dict[str, str] = {}
     cdi: list[str] = []
+    devices: list[KubeDevice] = []
     for response in responses:
         for key, value in sorted(response.get("envs", {}).items()):
             envs.setdefault(key, value)
@@ -103,8 +115,12 @@ def device_options(responses: Iterable[Mapping[str, Any]]) -> RunContainerOption
         for device in response.get("cdiDevices", []):
             if device["name"] not in cdi:
                 cdi.append(device["name"])
+        # Device specs are appended as they come (pod_devices.go: one
+        # DeviceInfo per spec, no de-duplication).
+        devices.extend(KubeDevice(d["containerPath"], d["hostPath"], d.get("permissions", "rw"))
+                       for d in response.get("devices", []))
     return RunContainerOptions(tuple(envs.items()), tuple(mounts.values()),
-                               tuple(annotations.items()), tuple(cdi))
+                               tuple(annotations.items()), tuple(cdi), tuple(devices))
 
 
 def _pod_spec(pod: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -220,6 +236,8 @@ def container_config(pb: ModuleType, pod: Mapping[str, Any], container: Mapping[
         working_dir=container.get("workingDir", ""),
         envs=[pb.KeyValue(key=k, value=v) for k, v in options.envs],
         mounts=mounts,
+        devices=[pb.Device(container_path=d.container_path, host_path=d.host_path,
+                           permissions=d.permissions) for d in options.devices],
         labels={POD_NAME_LABEL: meta["name"], POD_NAMESPACE_LABEL: meta["namespace"],
                 POD_UID_LABEL: meta["uid"], CONTAINER_NAME_LABEL: container["name"]},
         annotations=container_annotations(container, options),

@@ -30,14 +30,11 @@ from __future__ import annotations
 
 import json
 import shlex
-import shutil
 import subprocess
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import attrs
@@ -47,18 +44,13 @@ import pytest
 from crilib import (
     IMAGE,
     Containerd,
-    build_static_client,
-    compile_messages,
+    Containerds,
     read_cri_log,
-    running_containerd,
-    static_busybox,
     wait_exited,
-    write_image,
 )
 from support import (
     hostpid_argv,
     nspid,
-    require_root,
     running_broker,
     skip_or_fail,
     subprocess_env,
@@ -211,25 +203,9 @@ class Kubelet:
 
 
 @pytest.fixture(scope="module")
-def messages() -> Iterator[ModuleType]:
-    out = Path(tempfile.mkdtemp(prefix="hostpid-cri-pb-"))
-    try:
-        yield compile_messages(out)
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def kubelet(messages: ModuleType) -> Iterator[Kubelet]:
-    require_root()
-    build = Path(tempfile.mkdtemp(prefix="hostpid-cri-image-"))
-    try:
-        image = build / "image.tar"
-        write_image(image, static_busybox(), build_static_client(build))
-        with running_containerd(image, messages) as daemon:
-            yield Kubelet(daemon)
-    finally:
-        shutil.rmtree(build, ignore_errors=True)
+def kubelet(containerds: Containerds) -> Kubelet:
+    """The session's containerd 1.7 (L{conftest}), shared with the NRI tests."""
+    return Kubelet(containerds.get("1.7"))
 
 
 @pytest.fixture

@@ -272,12 +272,14 @@ def unpack(apt: PrivateApt, package: str, cache: Path = CACHE) -> Path:
     """
     version = apt.run("apt-cache", "show", "--no-all-versions", package)
     (number,) = re.findall(r"^Version: (\S+)$", version, re.M)
+    # Go source packages are "Architecture: all", and their file says so.
+    (arch,) = re.findall(r"^Architecture: (\S+)$", version, re.M)
     unpacked = cache / "unpacked" / f"{package}_{number}"
     if (unpacked / ".complete").is_file():
         return unpacked
     debs = cache / "debs"
     debs.mkdir(parents=True, exist_ok=True)
-    deb = debs / f"{package}_{number.replace(':', '%3a')}_amd64.deb"
+    deb = debs / f"{package}_{number.replace(':', '%3a')}_{arch}.deb"
     if not deb.is_file():
         apt.run("apt-get", "download", f"{package}={number}", cwd=debs)
     if not deb.is_file():

@@ -174,3 +174,16 @@ app.kubernetes.io/part-of: hostpid
 {{ toYaml . }}
 {{- end }}
 {{- end }}
+
+{{- define "hostpid-broker.nriSelector" -}}
+app.kubernetes.io/name: hostpid-nri
+app.kubernetes.io/component: nri-plugin
+{{- end }}
+
+{{- define "hostpid-broker.nriLabels" -}}
+{{ include "hostpid-broker.nriSelector" . }}
+app.kubernetes.io/part-of: hostpid
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,191 @@
+"""
+C{twistd hostpid-nri}: options and service construction, nothing more.
+
+The gate is the plugin's own environment, as for the broker and the webhook:
+only C{LIBVGPU_HOSTPID_BROKER=1} (exactly) lets it adjust containers
+(L{hostpid.gate.gate_enabled}).  With the gate off it still registers, so
+that turning the gate on is a restart of the plugin and nothing else.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from twisted.application.internet import StreamServerEndpointService
+from twisted.application.service import IService, MultiService
+from twisted.internet import endpoints
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IProtocol, IProtocolFactory, IStreamClientEndpoint
+from twisted.logger import Logger
+from twisted.python import usage
+from zope.interface import implementer
+
+from hostpid import defaults
+from hostpid.gate import gate_enabled
+from hostpid.nri.decision import DEFAULT_RESOURCES, Config, Signal, parse_resource
+from hostpid.nri.plugin import DEFAULT_INDEX, REGISTRATION_TIMEOUT
+
+DEFAULT_SOCKET = "/var/run/nri/nri.sock"
+#: NRI's own rule for an index: two digits (containerd/nri
+#: C{pkg/api/plugin.go}, C{CheckPluginIndex}).
+INDEX = re.compile(r"[0-9]{2}")
+
+
+class Options(usage.Options):
+    synopsis = ("[--nri-socket PATH] [--plugin-index NN] [--resource SIGNAL]... "
+                "[--metrics ENDPOINT]")
+    longdesc = (
+        "Run the NRI plugin that gives every container with a GPU allocation the host PID "
+        "broker's mounts (/tmp/vgpulock, then /tmp/vgpulock/hostpid read-only) and "
+        "LIBVGPU_HOSTPID_BROKER=1 at creation.  It adjusts containers only when its own "
+        "LIBVGPU_HOSTPID_BROKER is exactly \"1\", never answers the runtime an error, and "
+        "reconnects when the runtime restarts.  Run it as "
+        "`twistd --nodaemon --pidfile= hostpid-nri`."
+    )
+    optParameters = [
+        ["nri-socket", None, DEFAULT_SOCKET, "The runtime's NRI socket."],
+        ["plugin-index", None, DEFAULT_INDEX,
+         "Two digits: the plugin's place among NRI plugins (lower runs first).  The default "
+         "runs after device-injecting plugins, so the GPUs they add are seen."],
+        ["metrics", None, None,
+         "Twisted endpoint string for /healthz, /readyz (registered with the runtime) and "
+         "/metrics, e.g. tcp:9396:interface=127.0.0.1.  Off by default."],
+        ["lock-parent", None, defaults.LOCK_PARENT,
+         "The host lock parent, mounted at /tmp/vgpulock."],
+        ["broker-dir", None, defaults.BROKER_DIRECTORY,
+         "The host broker directory, mounted read-only at /tmp/vgpulock/hostpid."],
+        ["registration-timeout", None, REGISTRATION_TIMEOUT,
+         "Seconds the runtime has to accept the registration before the plugin reconnects."],
+    ]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self["resource"] = []
+        self["signals"] = []
+
+    def opt_resource(self, value: str) -> None:
+        """
+        A sign of a GPU allocation the plugin honours (repeatable; default nvidia.com/gpu):
+        a known resource name (nvidia.com/gpu), device:GLOB or device:re:REGEX (a device
+        node in the container), cdi:VENDOR/CLASS (a CDI device of that kind) or
+        devnull-mount:DIR (a device-list mount of /dev/null inside DIR).
+        """
+        try:
+            signals = parse_resource(value)
+        except ValueError as e:
+            raise usage.UsageError(f"--resource {e}") from None
+        self["resource"].append(value)
+        self["signals"].extend(signals)
+
+    def postOptions(self) -> None:
+        if not INDEX.fullmatch(self["plugin-index"] or ""):
+            raise usage.UsageError(f"--plugin-index must be two digits (NRI's rule), "
+                                   f"got {self['plugin-index']!r}")
+        if not self["nri-socket"]:
+            raise usage.UsageError("--nri-socket must name the runtime's NRI socket")
+        try:
+            timeout = float(self["registration-timeout"])
+        except ValueError:
+            timeout = -1.0
+        if not 0 < timeout <= 60:
+            raise usage.UsageError("--registration-timeout must be a number of seconds "
+                                   f"from 0 to 60, got {self['registration-timeout']!r}")
+        self["registration-timeout"] = timeout
+        if self["metrics"]:
+            from twisted.internet import reactor
+
+            try:
+                self.metricsEndpoint = endpoints.serverFromString(reactor, self["metrics"])
+            except Exception as e:
+                raise usage.UsageError(f"--metrics {self['metrics']!r}: not a Twisted server "
+                                       f"endpoint string ({e})") from None
+
+
+def config_from(options: Options | dict[str, Any], environ: Any = None) -> Config:
+    signals: list[Signal] = list(options.get("signals") or ())
+    if not signals:
+        for name in DEFAULT_RESOURCES:
+            signals.extend(parse_resource(name))
+    return Config(
+        signals=tuple(dict.fromkeys(signals)),
+        gate=gate_enabled(environ),
+        lock_parent=options.get("lock-parent") or defaults.LOCK_PARENT,
+        broker_dir=options.get("broker-dir") or defaults.BROKER_DIRECTORY,
+    )
+
+
+@implementer(IStreamClientEndpoint)
+class SocketEndpoint:
+    """
+    The runtime's socket as a client endpoint that names its path when
+    logged (C{ClientService} logs each retry with the endpoint's C{repr}).
+    """
+
+    def __init__(self, reactor: Any, path: str) -> None:
+        self.path = path
+        self._endpoint = endpoints.UNIXClientEndpoint(reactor, path)
+
+    def connect(self, factory: IProtocolFactory) -> Deferred[IProtocol]:
+        return self._endpoint.connect(factory)
+
+    def __repr__(self) -> str:
+        return f"unix:{self.path}"
+
+
+class HealthEndpointService(StreamServerEndpointService):
+    """The metrics listener: a failed listen stops twistd with status 1."""
+
+    _raiseSynchronously = True
+
+
+class PluginRoot(MultiService):
+    log = Logger()
+
+    def __init__(self, config: Config, socket_path: str, index: str) -> None:
+        super().__init__()
+        self.config = config
+        self.socketPath = socket_path
+        self.index = index
+
+    def startService(self) -> None:
+        self.log.info(
+            "hostpid-nri: connecting to {socket} as {index}-hostpid, gate {gate}, "
+            "signals {signals}", socket=self.socketPath, index=self.index,
+            gate="on" if self.config.gate else "off",
+            signals=[s.describe() for s in self.config.signals])
+        super().startService()
+
+
+def makeService(options: Options | dict[str, Any], reactor: Any = None) -> IService:
+    if reactor is None:
+        from twisted.internet import reactor as _reactor
+
+        reactor = _reactor
+    from hostpid.nri.service import (
+        Adjuster,
+        Backoff,
+        NRIMetrics,
+        NRIPluginService,
+        PluginFactory,
+    )
+
+    config = config_from(options)
+    socket_path = options.get("nri-socket") or DEFAULT_SOCKET
+    index = options.get("plugin-index") or DEFAULT_INDEX
+    metrics = NRIMetrics()
+    factory = PluginFactory(
+        Adjuster(config, metrics), reactor, metrics, Backoff(), index=index,
+        registration_timeout=float(options.get("registration-timeout") or REGISTRATION_TIMEOUT))
+    root = PluginRoot(config, socket_path, index)
+    client = NRIPluginService(SocketEndpoint(reactor, socket_path), factory, reactor,
+                              socket_path)
+    client.setServiceParent(root)
+    if options.get("metrics"):
+        from hostpid.nri.health import health_site
+
+        endpoint = getattr(options, "metricsEndpoint", None) or endpoints.serverFromString(
+            reactor, options["metrics"])
+        HealthEndpointService(endpoint, health_site(client, metrics, reactor)).setServiceParent(
+            root)
+    return root

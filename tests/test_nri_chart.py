@@ -1,0 +1,123 @@
+"""
+The chart's NRI plugin (C{nri.enabled}), rendered by Helm's own engine as
+C{tests/test_chart.py} renders the rest.
+
+Why each check exists:
+
+- Off by default: a default install renders no plugin.
+- On, every object validates (strict) for the supported Kubernetes versions
+  and C{helm lint --strict} stays clean.
+- Its own DaemonSet, rolled out one-down-first (C{maxSurge: 0}: two plugins
+  registered at once would make NRI fail containers both adjust), with no
+  host PID namespace, nothing of the host writable, no capability, root
+  only for the runtime's socket, the runtime's socket directory mounted,
+  the broker directory and the lock parent's directory read-only.
+- Its gate is its own (C{nri.gate}, on after the broker and off before it:
+  the chart refuses it without the broker's), its options the values; the
+  probes use its
+  C{/readyz} and C{/healthz}; no broker selector selects its pods.
+- The schema refuses a malformed index or signal before rendering.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import helm_python as helm
+import kubernetes_validate.utils as kubernetes_validate
+import pytest
+from test_chart import CHART, RELEASE_NAMESPACE, by_kind, merge, refusal, render, sets
+from test_deploy import KUBERNETES_VERSIONS
+
+ON = sets("nri.enabled=true")
+
+
+def plugin_daemonset(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    (ds,) = [d for d in docs if d["kind"] == "DaemonSet"
+             and d["metadata"]["name"] == "hostpid-nri"]
+    return ds
+
+
+def test_off_by_default() -> None:
+    assert not [d for d in render() if "nri" in d["metadata"]["name"]]
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_objects_validate_and_lint(version: str) -> None:
+    for doc in render(ON):
+        if doc["kind"] in ("PodMonitor", "ServiceMonitor"):
+            continue
+        assert kubernetes_validate.validate(doc, version, strict=True)
+    report = helm.lint(CHART, ON, strict=True, namespace=RELEASE_NAMESPACE,
+                       kube_version=f"v{version}")
+    assert report["errors"] == [], report
+    assert report["messages"] == [
+        {"severity": 1, "path": "Chart.yaml", "error": "icon is recommended"}], report
+
+
+def test_plugin_daemonset_shape() -> None:
+    docs = render(merge(ON, sets("hostPIDBroker.enabled=true", "nri.gate=true",
+                                        "nri.resources[0]=device:/dev/dri/renderD*",
+                                        "nri.pluginIndex=95")))
+    ds = plugin_daemonset(docs)
+    assert ds["spec"]["updateStrategy"]["rollingUpdate"] == {"maxUnavailable": 1, "maxSurge": 0}
+    spec = ds["spec"]["template"]["spec"]
+    assert spec["hostPID"] is False and spec["hostNetwork"] is False
+    (container,) = spec["containers"]
+    assert container["command"] == ["twistd", "--nodaemon", "--pidfile=", "hostpid-nri"]
+    args = container["args"]
+    assert args[args.index("--nri-socket") + 1] == "/var/run/nri/nri.sock"
+    assert args[args.index("--plugin-index") + 1] == "95"
+    assert args[args.index("--resource") + 1] == "device:/dev/dri/renderD*"
+    assert args[args.index("--broker-dir") + 1] == "/var/run/hami/hostpid"
+    assert {"name": "LIBVGPU_HOSTPID_BROKER", "value": "1"} in container["env"]
+    security = container["securityContext"]
+    assert security["runAsUser"] == 0 and security["capabilities"] == {"drop": ["ALL"]}
+    assert security["allowPrivilegeEscalation"] is False and security["privileged"] is False
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert set(mounts) == {"/var/run/nri", "/var/run/hami/hostpid", "/tmp"}
+    assert mounts["/var/run/hami/hostpid"]["readOnly"] and mounts["/tmp"]["readOnly"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    broker = by_kind([d for d in docs if d["metadata"]["name"] == "hostpid-broker"],
+                     "DaemonSet")
+    selector = broker["spec"]["selector"]["matchLabels"]
+    labels = ds["spec"]["template"]["metadata"]["labels"]
+    assert not selector.items() <= labels.items()
+
+
+def test_notes_name_the_plugin_when_enabled() -> None:
+    from test_chart import notes
+
+    assert "daemonset/hostpid-nri" in notes(ON) and "nri.gate=false" in notes(ON)
+    assert "hostpid-nri" not in notes()
+
+
+def test_a_numeric_index_is_two_digits() -> None:
+    (container,) = plugin_daemonset(render(sets("nri.enabled=true", "nri.pluginIndex=7")))[
+        "spec"]["template"]["spec"]["containers"]
+    assert container["args"][container["args"].index("--plugin-index") + 1] == "07"
+
+
+def gate(values: dict[str, Any]) -> str:
+    (container,) = plugin_daemonset(render(values))["spec"]["template"]["spec"]["containers"]
+    (value,) = [e["value"] for e in container["env"] if e["name"] == "LIBVGPU_HOSTPID_BROKER"]
+    return str(value)
+
+
+def test_the_plugins_gate_is_its_own_and_never_without_the_brokers() -> None:
+    assert gate(ON) == "0"
+    assert gate(merge(ON, sets("hostPIDBroker.enabled=true"))) == "0"
+    assert gate(merge(ON, sets("devicePlugin.hostPIDBroker.enabled=true", "nri.gate=true"))) \
+        == "1"
+    assert str(refusal(merge(ON, sets("nri.gate=true")))).count(
+        "nri.gate=true requires hostPIDBroker.enabled=true") == 1
+
+
+@pytest.mark.parametrize("values", [
+    sets("nri.enabled=true", "nri.pluginIndex=100"),
+    {"nri": {"enabled": True, "pluginIndex": "9"}},
+    sets("nri.enabled=true", "nri.resources[0]=env:NVIDIA_VISIBLE_DEVICES"),
+    sets("nri.enabled=true", "nri.socket=relative.sock"),
+])
+def test_schema_refuses(values: dict[str, Any]) -> None:
+    assert "nri" in str(refusal(values))

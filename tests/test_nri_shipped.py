@@ -1,0 +1,79 @@
+"""
+The NRI plugin's systemd unit (C{deploy/systemd/hostpid-nri.service}), checked
+as C{tests/test_deploy.py} checks the broker's.
+
+Why each check exists:
+
+- It runs the plugin as documented (the install's twistd, the runtime's
+  default socket, the gate exactly C{1}) and restarts it on failure.
+- Root with nothing root brings: no capability, the filesystem read-only,
+  the host's C{/tmp} visible (the lock parent's presence is checked).
+- C{systemd-analyze verify} has nothing to say and C{security --offline}
+  rates it 2.0 or less.
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from support import REPO, require_tool
+
+UNIT = REPO / "deploy" / "systemd" / "hostpid-nri.service"
+
+
+def values(key: str, section: str = "Service") -> list[str]:
+    found, current = [], ""
+    for raw in UNIT.read_text().splitlines():
+        line = raw.strip()
+        if not line or line[0] in "#;":
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            current = line[1:-1]
+            continue
+        name, _, value = line.partition("=")
+        if current == section and name.strip() == key:
+            found.append(value.strip())
+    return found
+
+
+def test_unit_runs_the_plugin_as_documented() -> None:
+    (exec_start,) = values("ExecStart")
+    argv = shlex.split(exec_start)
+    assert argv[:4] == ["/opt/hostpid/venv/bin/twistd", "--nodaemon", "--pidfile=",
+                        "hostpid-nri"]
+    assert argv[argv.index("--nri-socket") + 1] == "/var/run/nri/nri.sock"
+    assert argv[argv.index("--metrics") + 1].endswith("interface=127.0.0.1")
+    assert values("Environment") == ["LIBVGPU_HOSTPID_BROKER=1"]
+    assert values("Restart") == ["on-failure"]
+    assert values("CapabilityBoundingSet") == [""]
+    assert values("NoNewPrivileges") == ["yes"]
+    assert values("ProtectSystem") == ["strict"]
+    assert values("PrivateTmp") == ["no"]
+    for forbidden in ("User", "DynamicUser", "PrivateNetwork"):
+        assert values(forbidden) == []
+
+
+def verifiable(tmp_path: Path) -> Path:
+    twistd = Path(sys.executable).parent / "twistd"
+    executable = str(twistd) if twistd.exists() else shutil.which("twistd") or sys.executable
+    copy = tmp_path / UNIT.name
+    copy.write_text(UNIT.read_text().replace("ExecStart=/opt/hostpid/venv/bin/twistd ",
+                                             f"ExecStart={executable} "))
+    return copy
+
+
+def test_unit_passes_systemd_analyze(tmp_path: Path) -> None:
+    analyze = require_tool("systemd-analyze")
+    unit = verifiable(tmp_path)
+    result = subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0 and result.stdout + result.stderr == "", \
+        result.stdout + result.stderr
+    result = subprocess.run([analyze, "security", "--offline=yes", "--threshold=20",
+                             "--no-pager", str(unit)], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr

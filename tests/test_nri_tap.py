@@ -1,0 +1,96 @@
+"""
+C{twistd hostpid-nri}'s options and its health endpoints, in memory.
+
+Why each check exists:
+
+- A wrong option is a usage error before anything starts: an index that is
+  not two digits (NRI refuses it at registration, which would leave the
+  plugin reconnecting forever), a signal kind that is not one of the
+  unforgeable ones, a registration timeout out of range, a bad endpoint.
+- The defaults are the contract's (C{/var/run/nri/nri.sock}, index 90,
+  C{nvidia.com/gpu}) and the gate is read from the plugin's environment.
+- C{/readyz} follows the registration; C{/metrics} serves the plugin's own
+  registry; the HTTP bounds are the shared ones (no body, GET and HEAD only).
+"""
+
+from __future__ import annotations
+
+import pytest
+from twisted.internet.testing import MemoryReactorClock, StringTransport
+from twisted.python import usage
+
+from hostpid.nri.decision import PRESETS, Signal
+from hostpid.nri.health import health_site
+from hostpid.nri.service import NRIMetrics
+from hostpid.nri.tap import DEFAULT_SOCKET, Options, config_from, makeService
+
+
+def parse(*argv: str) -> Options:
+    options = Options()
+    options.parseOptions(list(argv))
+    return options
+
+
+def test_defaults() -> None:
+    options = parse()
+    assert options["nri-socket"] == DEFAULT_SOCKET == "/var/run/nri/nri.sock"
+    assert options["plugin-index"] == "90"
+    config = config_from(options, {"LIBVGPU_HOSTPID_BROKER": "1"})
+    assert config.signals == PRESETS["nvidia.com/gpu"] and config.gate
+    assert not config_from(options, {"LIBVGPU_HOSTPID_BROKER": "1 "}).gate
+
+
+def test_resources_replace_the_default() -> None:
+    options = parse("--resource", "device:/dev/dri/renderD*", "--resource", "cdi:amd.com/gpu",
+                    "--resource", "cdi:amd.com/gpu")
+    assert config_from(options, {}).signals == (
+        Signal("device", "/dev/dri/renderD*"), Signal("cdi", "amd.com/gpu"))
+
+
+@pytest.mark.parametrize("argv", [
+    ["--plugin-index", "9"], ["--plugin-index", "100"], ["--plugin-index", "a1"],
+    ["--resource", "env:NVIDIA_VISIBLE_DEVICES"], ["--resource", "amd.com/gpu"],
+    ["--registration-timeout", "0"], ["--registration-timeout", "61"],
+    ["--registration-timeout", "soon"], ["--nri-socket", ""],
+    ["--metrics", "nonsense:1"],
+])
+def test_usage_errors(argv: list[str]) -> None:
+    with pytest.raises(usage.UsageError):
+        parse(*argv)
+
+
+def test_service_builds() -> None:
+    service = makeService(parse("--metrics", "tcp:0:interface=127.0.0.1"))
+    names = [type(child).__name__ for child in service]  # type: ignore[attr-defined]
+    assert names == ["NRIPluginService", "HealthEndpointService"]
+
+
+class Ready:
+    def __init__(self) -> None:
+        self.ready = False
+        self.socketPath = "/run/nri/nri.sock"
+
+
+def get(site: object, request: bytes) -> bytes:
+    channel = site.buildProtocol(None)  # type: ignore[attr-defined]
+    transport = StringTransport()
+    channel.makeConnection(transport)
+    channel.dataReceived(request)
+    return transport.value()
+
+
+def test_health_endpoints() -> None:
+    readiness = Ready()
+    metrics = NRIMetrics()
+    site = health_site(readiness, metrics, reactor=MemoryReactorClock())
+    assert get(site, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").startswith(b"HTTP/1.1 200")
+    answer = get(site, b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 503") and b"not registered" in answer
+    readiness.ready = True
+    assert get(site, b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n").startswith(b"HTTP/1.1 200")
+    answer = get(site, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert b'hostpid_nri_containers_total{reason="adjusted"} 0.0' in answer
+    assert get(site, b"POST /readyz HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n") \
+        .startswith(b"HTTP/1.1 405")
+    assert get(site, b"GET /readyz HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\n") \
+        .startswith(b"HTTP/1.1 413")
