@@ -71,7 +71,8 @@ def test_every_command_names_the_one_namespace() -> None:
 
 def objects() -> dict[tuple[str, str], dict[str, Any]]:
     docs = render(sets("hostPIDBroker.enabled=true", "webhook.enabled=true",
-                       "webhook.gate=true", "webhook.mode=mounts"), namespace=NAMESPACE)
+                       "webhook.gate=true", "webhook.mode=mounts", "nri.enabled=true"),
+                  namespace=NAMESPACE)
     return {(doc["kind"], doc["metadata"]["name"]): doc for doc in docs}
 
 
