@@ -8,8 +8,9 @@ transactions; every pod creation in the cluster), so both put the same
 limits around Twisted's HTTP/1.1 parser:
 
   - a connection cap, a newcomer at the cap evicting the oldest connection
-    (L{BoundedSite}): idle or slow clients holding every slot cannot keep a
-    probe, or the API server, out;
+    that has not completed a request, before any that has (L{BoundedSite}):
+    idle or slow clients holding every slot cannot keep a probe, or the API
+    server, out, nor push out the API server's kept-alive connection;
   - a request deadline that received data does not push back
     (L{BoundedChannel}): a client trickling bytes holds its slot for the
     site's timeout at most;
@@ -123,6 +124,11 @@ class BoundedChannel(http.HTTPChannel):
         self.site.forget(self)
         super().connectionLost(reason)
 
+    def requestDone(self, request: http.Request) -> None:
+        """A request was answered: this connection is a client's, not a squatter's."""
+        super().requestDone(request)
+        self.site.served(self)
+
     def abort(self) -> None:
         """Close at once, unanswered, and read nothing more."""
         self._refused = True
@@ -185,10 +191,16 @@ class BoundedSite(Site):
     """
     A site holding at most C{maxConnections} connections.
 
-    At the cap a newcomer takes the slot of the oldest connection, which is
-    aborted unanswered: an attacker holding every slot with idle or slow
-    connections cannot keep a newcomer out, only a client reconnecting
-    C{maxConnections} times per newcomer's round trip can.  The evicted
+    At the cap a newcomer takes the slot of the oldest connection that has
+    not yet completed a request, which is aborted unanswered: an attacker
+    holding every slot with idle or slow connections cannot keep a newcomer
+    out, only a client reconnecting C{maxConnections} times per newcomer's
+    round trip can.  A connection that has completed a request (the API
+    server's, kept alive between reviews; a Prometheus scraper's) is evicted
+    only when every slot is held by such connections, the one served least
+    recently first: when the oldest was taken whatever it was, a flood of
+    idle connections dropped the API server's connection with its reviews in
+    flight.  The evicted
     descriptor closes on the next reactor turn, so at most one accept batch
     more than the cap is ever open; clients still in the kernel's accept
     queue hold no descriptor of the server's.
@@ -206,25 +218,43 @@ class BoundedSite(Site):
     ) -> None:
         super().__init__(resource, timeout=timeout, reactor=reactor)
         self.maxConnections = maxConnections
-        #: Connections holding a slot, oldest first.
-        self._slots: OrderedDict[BoundedChannel, None] = OrderedDict()
+        #: Connections holding a slot that have completed no request, oldest first.
+        self._fresh: OrderedDict[BoundedChannel, None] = OrderedDict()
+        #: Connections that have completed a request, least recently served first.
+        self._served: OrderedDict[BoundedChannel, None] = OrderedDict()
+
+    @property
+    def connections(self) -> int:
+        """Connections holding a slot now."""
+        return len(self._fresh) + len(self._served)
 
     def buildProtocol(self, addr: IAddress) -> BoundedChannel | None:  # type: ignore[override]
-        if len(self._slots) >= self.maxConnections:
-            if not self._slots:
+        if self.connections >= self.maxConnections:
+            if self._fresh:
+                victim, _ = self._fresh.popitem(last=False)
+            elif self._served:
+                victim, _ = self._served.popitem(last=False)
+            else:
                 self.countOverLimit()
                 return None
-            oldest, _ = self._slots.popitem(last=False)
-            oldest.abort()
+            victim.abort()
             self.countEviction()
         channel = super().buildProtocol(addr)
         assert isinstance(channel, BoundedChannel)
-        self._slots[channel] = None
+        self._fresh[channel] = None
         return channel
+
+    def served(self, channel: BoundedChannel) -> None:
+        """C{channel} completed a request: it is evicted after every fresh one."""
+        if channel in self._fresh or channel in self._served:
+            self._fresh.pop(channel, None)
+            self._served.pop(channel, None)
+            self._served[channel] = None
 
     def forget(self, channel: BoundedChannel) -> None:
         """C{channel} is closed: its slot is free."""
-        self._slots.pop(channel, None)
+        self._fresh.pop(channel, None)
+        self._served.pop(channel, None)
 
     def log(self, request: http.Request) -> None:
         """No access log: probes every few seconds, or every pod creation, would drown it."""

@@ -448,7 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--version", action="version",
-        version=f"hostpid {version.installed_version(DISTRIBUTION)}",
+        version=version.version_line(),
         help="print `hostpid X.Y.Z` and exit",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
@@ -587,7 +587,14 @@ def main(
     stdout: TextIO | None = None,
     stderr: TextIO | None = None,
 ) -> int:
-    probing = _probe_arguments(sys.argv[1:] if argv is None else argv)
+    arguments = sys.argv[1:] if argv is None else list(argv)
+    if arguments == ["--version"]:
+        # Before the parser: building it imports every subcommand's
+        # modules (attrs, the CDI spec's), four interpreter starts' worth
+        # of CPU for one line.
+        (stdout or sys.stdout).write(version.version_line() + "\n")
+        return 0
+    probing = _probe_arguments(arguments)
     if probing is not None:
         return _probe(probing, stdout or sys.stdout, stderr or sys.stderr)
     args = build_parser().parse_args(argv)

@@ -31,7 +31,7 @@ from datetime import UTC, datetime
 from typing import IO, Any
 
 import attrs
-from twisted.logger import ILogObserver, LogLevel, formatEvent
+from twisted.logger import ILogObserver, LogLevel, formatEvent, textFileLogObserver
 from twisted.python import logfile
 from twisted.python.failure import Failure
 from zope.interface import implementer
@@ -149,15 +149,41 @@ def _rotate_on_sigusr1(log: logfile.LogFile) -> None:
     signal.signal(signal.SIGUSR1, rotate)
 
 
-def twistd_log_file(twistd_options: Mapping[str, Any] | None) -> IO[str]:
+#: Rotated log files kept beside the one written (C{--log-files}).  twistd's
+#: own C{--logfile} rotates at 1 MB (C{twisted.python.logfile.LogFile}'s
+#: C{rotateLength}) and keeps every rotated file (its C{maxRotatedFiles} is
+#: None): a client that makes the server log, a webhook's pods or a broker's
+#: refused callers, would fill the disk a megabyte at a time.
+MAX_ROTATED_FILES = 5
+
+
+def parse_log_files(value: Any) -> int:
+    """C{--log-files}: a whole number from 1 to 1000; ValueError names what was given."""
+    try:
+        count = int(value)
+    except (TypeError, ValueError):
+        count = 0
+    if not 1 <= count <= 1000:
+        raise ValueError(f"must be a whole number from 1 to 1000, got {value!r}")
+    return count
+
+
+def _logs_to_standard_output(twistd_options: Mapping[str, Any]) -> bool:
+    name = twistd_options.get("logfile")
+    return name == "-" or (bool(twistd_options.get("nodaemon")) and not name)
+
+
+def twistd_log_file(twistd_options: Mapping[str, Any] | None,
+                    max_rotated: int = MAX_ROTATED_FILES) -> IO[str]:
     """
     The file twistd would write its text log to, chosen by the same rules:
     with C{--nodaemon} and no C{--logfile} (or C{--logfile -}), standard
     output; else C{--logfile} (default C{twistd.log}), rotated on
-    C{SIGUSR1}.  (Twisted: C{twisted/scripts/_twistd_unix.py},
-    C{UnixAppLogger._getLogObserver}, which this follows.)  Standard output
-    is the stream as it is now, before twistd redirects C{sys.stdout} into
-    the log.
+    C{SIGUSR1} and at 1 MB, as twistd does, but keeping at most
+    C{max_rotated} rotated files (L{MAX_ROTATED_FILES}).  (Twisted:
+    C{twisted/scripts/_twistd_unix.py}, C{UnixAppLogger._getLogObserver},
+    which this follows.)  Standard output is the stream as it is now, before
+    twistd redirects C{sys.stdout} into the log.
 
     @param twistd_options: twistd's own options (the plugin options'
         C{parent}); C{None} outside twistd: standard output.
@@ -175,17 +201,34 @@ def twistd_log_file(twistd_options: Mapping[str, Any] | None) -> IO[str]:
         )
     name = twistd_options.get("logfile")
     nodaemon = bool(twistd_options.get("nodaemon"))
-    if name == "-" or (nodaemon and not name):
+    if _logs_to_standard_output(twistd_options):
         if not nodaemon:
             raise PathRuleError("--logfile -", "a daemon cannot log to standard output")
         return sys.stdout
     path = name or "twistd.log"
     try:
-        log = logfile.LogFile.fromFullPath(path)
+        log = logfile.LogFile.fromFullPath(path, maxRotatedFiles=max_rotated)
     except OSError as e:
         raise PathRuleError(path, f"cannot open the log file (--logfile): {e.strerror}") from None
     _rotate_on_sigusr1(log)
     return log
+
+
+def observer(twistd_options: Mapping[str, Any] | None, log_format: str = "text",
+             max_rotated: int = MAX_ROTATED_FILES) -> ILogObserver | None:
+    """
+    The observer a twistd plugin gives its application (the C{ILogObserver}
+    component twistd logs through), or None to leave twistd's own: JSON
+    lines wherever twistd would log (L{twistd_log_file}); text to a log
+    file twistd's way but with at most C{max_rotated} rotated files; text to
+    standard output or syslog, twistd's own.
+    """
+    if log_format == "json":
+        return JSONLinesObserver(twistd_log_file(twistd_options, max_rotated))
+    if (twistd_options is None or twistd_options.get("syslog")
+            or _logs_to_standard_output(twistd_options)):
+        return None
+    return textFileLogObserver(twistd_log_file(twistd_options, max_rotated))
 
 
 def json_lines() -> ILogObserver:

@@ -107,6 +107,9 @@ class Options(usage.Options):
          "text (twistd's) or json: one JSON object per line with time (RFC 3339, UTC), "
          "level, logger, message and the event's own fields, where twistd writes its log "
          "(standard output with --nodaemon, else --logfile)."],
+        ["log-files", None, logs.MAX_ROTATED_FILES,
+         "Rotated log files kept beside --logfile (twistd rotates it at 1 MB and on SIGUSR1; "
+         "by itself it keeps every one)."],
     ]
 
     def opt_version(self) -> None:
@@ -138,6 +141,10 @@ class Options(usage.Options):
                 raise BrokerStartupError(
                     "--after-handover", f"must be 'exit' or 'wait', got {self['after-handover']!r}"
                 )
+            try:
+                self["log-files"] = logs.parse_log_files(self["log-files"])
+            except ValueError as e:
+                raise BrokerStartupError("--log-files", str(e)) from None
             if self["log-format"] not in logs.LOG_FORMATS:
                 raise BrokerStartupError(
                     "--log-format",
@@ -204,10 +211,12 @@ def _specPublisher(options: Options | dict[str, Any]) -> Callable[[bool], None] 
 
 
 def _logObserver(options: Options | dict[str, Any]) -> ILogObserver | None:
-    """C{--log-format json}: JSON lines where twistd (the options' parent) logs."""
-    if options.get("log-format", "text") != "json":
-        return None
-    return logs.JSONLinesObserver(logs.twistd_log_file(getattr(options, "parent", None)))
+    """
+    C{--log-format json}: JSON lines where twistd (the options' parent)
+    logs; a text log file with at most C{--log-files} rotated files.
+    """
+    return logs.observer(getattr(options, "parent", None), options.get("log-format", "text"),
+                         int(options.get("log-files", logs.MAX_ROTATED_FILES)))
 
 
 def _makeService(options: Options | dict[str, Any]) -> IService:

@@ -22,5 +22,13 @@ def installed_version(distribution: str = DISTRIBUTION) -> str:
 
 
 def version_line() -> str:
-    """C{hostpid X.Y.Z}."""
-    return f"hostpid {installed_version()}"
+    """
+    C{hostpid X.Y.Z}, from the package's own C{__version__}: the installed
+    distribution's is the same (C{tests/test_shipped_files.py} checks the
+    built distribution against it), and reading it through
+    C{importlib.metadata} imports C{pathlib}, C{shutil}, C{inspect} and more,
+    about an interpreter start's worth of CPU for a line.
+    """
+    import hostpid
+
+    return f"hostpid {hostpid.__version__}"

@@ -37,14 +37,19 @@ from hostpid.admission.decision import (
     ANNOTATION_KEY,
     ANNOTATION_REMOVED,
     ANNOTATION_VALUE,
+    ANNOTATIONS_LIMIT,
     BROKER_VOLUME,
     GATE_OFF,
     LOCK_PARENT_VOLUME,
+    MAX_WARNINGS,
     NOT_QUALIFYING,
+    OVERSIZED,
     PATCHED,
     SHADOWED,
     UNCHANGED,
     Config,
+    annotations_size,
+    clip,
     decide,
     pointer,
 )
@@ -334,3 +339,64 @@ def test_generated_pods_keep_everything_unrelated_and_settle(
                     m["name"] in (LOCK_PARENT_VOLUME, BROKER_VOLUME) for m in c["volumeMounts"])
     annotated = ANNOTATION_KEY in result["metadata"].get("annotations", {})
     assert annotated == (config.gate and config.mode == "cdi" and decision.outcome == PATCHED)
+
+
+# --- bounds: whatever the pod supplies, the answer and the log stay small ----------
+
+
+def test_zero_amounts_do_not_qualify() -> None:
+    for where in ("requests", "limits"):
+        for amount in ("0", "0.0", "00", "0Gi", 0):
+            zero = pod({"name": "cuda", "image": "x", "resources": {where: {GPU: amount}}})
+            assert decide(zero, MOUNTS).outcome == NOT_QUALIFYING, (where, amount)
+    # One container asking for none, another for one: the pod qualifies,
+    # and only the one asking gets the broker.
+    both = pod({"name": "a", "image": "x", "resources": {"limits": {GPU: "0"}}},
+               container("b"))
+    result, decision = applied(both, MOUNTS)
+    assert decision.outcome == PATCHED
+    assert [broker_mounted(c) for c in result["spec"]["containers"]] == [False, True]
+
+
+def test_warnings_are_few_and_clip_what_the_pod_supplies() -> None:
+    mounts = [{"name": "v" * 5000 + str(i), "mountPath": f"/tmp/vgpulock/hostpid/{'p' * 5000}{i}"}
+              for i in range(2000)]
+    decision = decide(pod(container("n" * 100_000, volumeMounts=mounts)), MOUNTS)
+    assert decision.outcome == SHADOWED
+    assert len(decision.warnings) == MAX_WARNINGS
+    assert decision.warnings[-1] == f"and {2000 - MAX_WARNINGS + 1:,} more"
+    assert all(len(w) < 600 for w in decision.warnings), [len(w) for w in decision.warnings]
+    assert "(100,000 characters)" in decision.warnings[0]
+
+
+def test_a_patch_past_its_bound_is_not_given() -> None:
+    many = pod(*[container(f"c{i}") for i in range(400)])
+    decision = decide(many, MOUNTS)
+    assert decision.outcome == OVERSIZED and decision.patch == ()
+    assert "400 qualifying containers" in decision.warnings[0]
+    few = pod(*[container(f"c{i}") for i in range(20)])
+    assert decide(few, MOUNTS).outcome == PATCHED
+
+
+def test_cdi_keeps_the_annotations_within_the_api_servers_limit() -> None:
+    def with_annotations(size: int, key: str = "k") -> dict[str, Any]:
+        p = pod(container("cuda"))
+        p["metadata"]["annotations"] = {key: "é" * ((size - len(key)) // 2)}
+        assert annotations_size(p["metadata"]["annotations"]) == size
+        return p
+    added = len(ANNOTATION_KEY) + len(ANNOTATION_VALUE)
+    assert decide(with_annotations(ANNOTATIONS_LIMIT - added), CDI).outcome == PATCHED
+    over = decide(with_annotations(ANNOTATIONS_LIMIT - added + 2), CDI)
+    assert over.outcome == OVERSIZED and over.patch == () and "256 KiB" in over.warnings[0]
+    # Its own key with a wrong value is replaced, not added: only the
+    # difference of the values counts.
+    near = with_annotations(ANNOTATIONS_LIMIT - 3)
+    near["metadata"]["annotations"][ANNOTATION_KEY] = "x"
+    assert annotations_size(near["metadata"]["annotations"]) > ANNOTATIONS_LIMIT - added
+    assert decide(near, CDI).outcome == OVERSIZED
+
+
+def test_clip_names_the_length_and_only_the_type_of_anything_else() -> None:
+    assert clip("short") == "short"
+    assert clip("x" * 1000) == "x" * 64 + "...(1,000 characters)"
+    assert clip({"a": "b" * 10**6}) == "<dict>" and clip(None) == "<none>"

@@ -169,18 +169,43 @@ def test_a_newcomer_at_the_cap_evicts_the_oldest() -> None:
     assert clock.getDelayedCalls() == []
 
 
-def test_the_bodies_held_at_once_are_bounded_and_given_back() -> None:
+def test_at_the_cap_a_connection_that_completed_a_request_is_evicted_last() -> None:
     """
-    Slow clients each stopping short of the body cap cannot together hold
-    more than the site's budget: the chunk that would pass it is answered
-    503, and the budget comes back when a connection goes or a review is
-    answered.
+    The API server's kept-alive connection has completed reviews; idle
+    newcomers flooding the cap evict each other, not it.
     """
     clock = MemoryReactorClock()
     metrics = WebhookMetrics()
-    budget = MAX_BODY + MAX_BODY // 2
+    site = service.WebhookSite(service.webhook_resource(Config(), metrics), metrics,
+                               timeout=TIMEOUT, maxConnections=2, reactor=clock)
+    kept, kept_transport = connect(site, 1)
+    kept.dataReceived(review_bytes("kept"))
+    assert b'"uid":"kept"' in kept_transport.value()
+    idle = [connect(site, port) for port in range(2, 6)]
+    assert not kept_transport.disconnected
+    assert [t.disconnected for _, t in idle] == [True, True, True, False]
+    assert refused(metrics, "evicted") == 3
+    # Only served connections left: the one served least recently goes.
+    idle[-1][0].dataReceived(review_bytes("late"))
+    connect(site, 9)
+    assert kept_transport.disconnected and not idle[-1][1].disconnected
+    for channel in (kept, *(c for c, _ in idle)):
+        finish(channel)
+
+
+def test_the_bodies_held_at_once_are_bounded_and_given_back() -> None:
+    """
+    Slow clients each stopping short of the body cap cannot together hold
+    more than the site's budget for bytes past each body's first 64 KiB:
+    the chunk that would pass it is answered 503, a small review is still
+    answered while the budget is full, and the budget comes back when a
+    connection goes or a review is answered.
+    """
+    clock = MemoryReactorClock()
+    metrics = WebhookMetrics()
+    budget = MAX_BODY
     site = service.WebhookSite(service.webhook_resource(Config(gate=True), metrics), metrics,
-                               timeout=TIMEOUT, maxBuffered=budget, reactor=clock)
+                               timeout=TIMEOUT, maxLarge=budget, reactor=clock)
     chunk = b"z" * 65536
     head = b"POST /mutate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
 
@@ -195,7 +220,11 @@ def test_the_bodies_held_at_once_are_bounded_and_given_back() -> None:
     hold(second, 15)
     assert second_transport.value().startswith(b"HTTP/1.1 503 ")
     assert not first_transport.value(), "the first keeps its place"
-    assert site.buffered <= budget and refused(metrics, "busy") == 1
+    assert site.large <= budget and refused(metrics, "busy") == 1
+    small, small_transport = connect(site, 4)
+    small.dataReceived(review_bytes("small"))
+    assert b'"uid":"small"' in small_transport.value(), "room kept for small bodies"
+    finish(small)
     finish(second)
     assert site.buffered == 15 * len(chunk)
     finish(first)

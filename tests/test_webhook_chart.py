@@ -37,7 +37,7 @@ from test_chart import CHART, RELEASE_NAMESPACE, by_kind, refusal, render, sets
 from test_deploy import KUBERNETES_VERSIONS
 
 WEBHOOK_KINDS = {"Deployment", "PodDisruptionBudget", "Service", "Secret",
-                 "MutatingWebhookConfiguration"}
+                 "MutatingWebhookConfiguration", "NetworkPolicy"}
 CERT_MANAGER_KINDS = {"Issuer", "Certificate"}
 
 RENDERS = {
@@ -116,7 +116,7 @@ def test_kube_system_and_the_charts_namespaces_are_left_out(namespace: str) -> N
     assert by_key["kubernetes.io/metadata.name"]["operator"] == "NotIn"
     broker_namespace = yaml.safe_load((CHART / "values.yaml").read_text()).get(
         "namespace", {}).get("name") or namespace
-    assert {"kube-system", namespace, broker_namespace} == set(
+    assert {"kube-system", namespace, broker_namespace, "gpu-operator"} == set(
         by_key["kubernetes.io/metadata.name"]["values"])
     assert by_key["hostpid.hami.io/webhook"] == {
         "key": "hostpid.hami.io/webhook", "operator": "NotIn", "values": ["disabled"]}
@@ -163,11 +163,57 @@ def test_the_webhook_pods_have_nothing_of_the_host_and_no_privilege() -> None:
     assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
     service = by_kind(docs, "Service")
     assert service["spec"]["selector"].items() <= labels.items()
-    for broker_kind in ("DaemonSet", "NetworkPolicy"):
-        broker = by_kind(docs, broker_kind)
+    for broker in (by_kind(docs, "DaemonSet"), *[
+            d for d in docs if d["kind"] == "NetworkPolicy"
+            and d["metadata"]["name"] != "hostpid-webhook"]):
+        broker_kind = broker["kind"]
         selector = (broker["spec"].get("selector") or broker["spec"]["podSelector"])[
             "matchLabels"]
         assert not selector.items() <= labels.items(), f"the {broker_kind} selects webhook pods"
+
+
+def test_more_namespaces_are_left_out_when_listed() -> None:
+    docs = render(sets("webhook.enabled=true", "webhook.excludedNamespaces={gpu-operator,"
+                       "nvidia-network-operator}"))
+    (names,) = [e["values"] for e in configuration(docs)["namespaceSelector"][
+        "matchExpressions"] if e["key"] == "kubernetes.io/metadata.name"]
+    assert {"gpu-operator", "nvidia-network-operator", "kube-system"} <= set(names)
+    none = render(sets("webhook.enabled=true", "webhook.excludedNamespaces=null"))
+    (names,) = [e["values"] for e in configuration(none)["namespaceSelector"][
+        "matchExpressions"] if e["key"] == "kubernetes.io/metadata.name"]
+    assert "gpu-operator" not in names
+
+
+def webhook_policy(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy"
+                 and d["metadata"]["name"] == "hostpid-webhook"]
+    return policy
+
+
+def test_a_network_policy_admits_only_the_webhooks_port() -> None:
+    """
+    Any pod could reach the webhook's port and make it work; the policy admits
+    that port alone, and only from the API server's addresses when given.
+    """
+    docs = render(RENDERS["mounts"])
+    policy = webhook_policy(docs)
+    labels = by_kind(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = policy["spec"]["ingress"]
+    assert rule == {"ports": [{"protocol": "TCP", "port": "https"}]}
+    (container,) = by_kind(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert any(p["name"] == "https" for p in container["ports"]), "the port it names"
+    limited = webhook_policy(render(sets(
+        "webhook.enabled=true", "webhook.apiServerCIDRs={10.0.0.0/24,fd00::/64}")))
+    (rule,) = limited["spec"]["ingress"]
+    assert rule["from"] == [{"ipBlock": {"cidr": "10.0.0.0/24"}},
+                            {"ipBlock": {"cidr": "fd00::/64"}}]
+    for version in KUBERNETES_VERSIONS:
+        kubernetes_validate.validate(policy, version, strict=True)
+        kubernetes_validate.validate(limited, version, strict=True)
+    off = render(sets("webhook.enabled=true", "networkPolicy.enabled=false"))
+    assert not [d for d in off if d["kind"] == "NetworkPolicy"]
 
 
 @pytest.mark.parametrize("values, gate", [

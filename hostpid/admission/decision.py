@@ -43,6 +43,17 @@ Two modes:
    or a device plugin naming the device itself, C{hostpid allocate --cdi});
    mode C{mounts} works everywhere.  C{docs/admission.md} says so.
 
+What a pod supplies never sizes the answer: every string taken from the pod
+(a container's or a volume's name, a path) is clipped to L{MAX_POD_STRING}
+characters, at most L{MAX_WARNINGS} warnings are given (the last saying how
+many more there were), and a patch longer than L{MAX_PATCH} bytes is not
+given at all (the pod is admitted unpatched, with a warning).  The API
+server calls mutating webhooks before it validates names, paths or the
+number of containers, so a pod with a 200 KB container name and 14,000
+mounts under the broker directory reaches the webhook; unbounded, it was
+answered with one warning per mount, each repeating the name: 135 KB in,
+40 MB out.
+
 Either way the decision is idempotent (a patched pod, and a pod that already
 has HAMi's own mounts and gate, give no patch), touches no unrelated volume,
 mount, variable or annotation, and admits a pod whose own mounts would cover
@@ -53,12 +64,14 @@ of the broker annotation, so the design's rollout and rollback order holds.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
 
 from hostpid import defaults
+from hostpid.admission.quantity import is_positive
 from hostpid.gate import ENABLED_VALUE, GATE_ENV
 from hostpid.node import cdi
 from hostpid.node.allocation import canonical_mounts, clean_container_path, is_within
@@ -81,7 +94,32 @@ NOT_QUALIFYING = "not_qualifying"
 GATE_OFF = "gate_off"
 SHADOWED = "shadowed"
 ANNOTATION_REMOVED = "annotation_removed"
-OUTCOMES = (PATCHED, UNCHANGED, NOT_QUALIFYING, GATE_OFF, SHADOWED, ANNOTATION_REMOVED)
+OVERSIZED = "oversized"
+OUTCOMES = (PATCHED, UNCHANGED, NOT_QUALIFYING, GATE_OFF, SHADOWED, ANNOTATION_REMOVED,
+            OVERSIZED)
+
+#: Warnings in one answer at most; past it the last one says how many more
+#: there were.  The API server passes each to the client as a C{Warning}
+#: header and may truncate one past 256 characters (the admission webhook
+#: documentation, "Response": warnings), so a handful of short ones is all a
+#: user ever reads.
+MAX_WARNINGS = 8
+#: Characters kept of any one string taken from the pod (a name, a path) in
+#: a warning or a log field: Kubernetes' own names are at most 253.
+MAX_POD_STRING = 64
+#: The longest JSON Patch given, in bytes of JSON (base64 makes it 4/3 as
+#: long in the answer).  A pod's patch grows with its qualifying containers
+#: (about 300 bytes each in mode mounts), so this is about a hundred
+#: containers, far more than any real pod; past it the pod is admitted
+#: unpatched with a warning, and the answer stays under 64 KiB whatever the
+#: pod.
+MAX_PATCH = 40 * 1024
+#: The API server's bound on a pod's annotations, in bytes: the sum over
+#: every annotation of the key's and the value's lengths must not pass it
+#: (apimachinery C{TotalAnnotationSizeLimitB}, checked by
+#: C{ValidateAnnotationsSize} in C{pkg/api/validation/objectmeta.go}, after
+#: the mutating webhooks and whatever their failure policy).
+ANNOTATIONS_LIMIT = 256 * 1024
 
 _CONTAINER_LISTS = ("initContainers", "containers")
 
@@ -145,14 +183,49 @@ def _containers(spec: Mapping[str, Any]) -> Iterable[tuple[str, int, Mapping[str
 
 
 def requests_resource(container: Mapping[str, Any], resources: Iterable[str]) -> bool:
-    """Whether C{container} requests or limits any of C{resources}."""
+    """
+    Whether C{container} requests or limits a positive amount of any of
+    C{resources} (L{hostpid.admission.quantity}: C{"0"}, C{"0.0"}, C{"00"}
+    or C{0} ask for none).
+    """
     amounts = _mapping(container.get("resources"))
-    names = set(resources)
     return any(
-        name in names
+        is_positive(_mapping(amounts.get(part)).get(name))
         for part in ("requests", "limits")
-        for name in _mapping(amounts.get(part))
+        for name in resources
     )
+
+
+def clip(value: Any) -> str:
+    """
+    C{value} (a string taken from the pod) as at most L{MAX_POD_STRING}
+    characters and a note of its length: never the whole of what a client
+    chose to send.  Anything but a string is named by its type only.
+    """
+    if not isinstance(value, str):
+        return f"<{type(value).__name__}>" if value is not None else "<none>"
+    if len(value) <= MAX_POD_STRING:
+        return value
+    return f"{value[:MAX_POD_STRING]}...({len(value):,} characters)"
+
+
+def bounded(warnings: Sequence[str]) -> tuple[str, ...]:
+    """At most L{MAX_WARNINGS} of C{warnings}, the last saying how many more there were."""
+    if len(warnings) <= MAX_WARNINGS:
+        return tuple(warnings)
+    kept = MAX_WARNINGS - 1
+    return (*warnings[:kept], f"and {len(warnings) - kept:,} more")
+
+
+def _utf8_length(text: Any) -> int:
+    # Go's len() of a string: its UTF-8 bytes (a lone surrogate, which Go's
+    # JSON decoder makes U+FFFD, counts 3 either way).
+    return len(text.encode("utf-8", "surrogatepass")) if isinstance(text, str) else 0
+
+
+def annotations_size(annotations: Mapping[str, Any]) -> int:
+    """The size the API server checks against L{ANNOTATIONS_LIMIT}: keys and values, in bytes."""
+    return sum(_utf8_length(k) + _utf8_length(v) for k, v in annotations.items())
 
 
 def _annotations(pod: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -242,7 +315,8 @@ def _shadowing(pod_spec: Mapping[str, Any], qualifying: list[tuple[str, int, Map
     for own in _wanted(config):
         volume = volumes.get(own.volume)
         if volume is not None and _host_path(volume) != clean_container_path(own.host_path):
-            problems.append(f"volume {own.volume!r} is the pod's own, not {own.host_path}")
+            problems.append(f"volume {own.volume!r} is the pod's own, not "
+                            f"{clip(own.host_path)}")
     for field, index, container in qualifying:
         for mount in _list(container.get("volumeMounts")):
             if not isinstance(mount, Mapping) or not isinstance(mount.get("mountPath"), str):
@@ -255,8 +329,9 @@ def _shadowing(pod_spec: Mapping[str, Any], qualifying: list[tuple[str, int, Map
             if want is not None and _provides(volume, mount, want):
                 continue
             problems.append(
-                f"volume {mount.get('name')!r} mounted at {target} in "
-                f"{field}[{index}] ({container.get('name')}) would shadow the broker's mount"
+                f"volume {clip(mount.get('name'))!r} mounted at {clip(target)} in "
+                f"{field}[{index}] ({clip(container.get('name'))}) would shadow the broker's "
+                "mount"
             )
     return problems
 
@@ -342,9 +417,28 @@ def decide(pod: Mapping[str, Any], config: Config) -> Decision:
         return Decision((), (), GATE_OFF)
     problems = _shadowing(spec, qualifying, config)
     if problems:
-        return Decision((), tuple(f"hostpid broker not added: {p}" for p in problems), SHADOWED)
+        return Decision((), bounded([f"hostpid broker not added: {p}" for p in problems]),
+                        SHADOWED)
     if config.mode == "cdi":
         patch = _add_annotation(pod)
+        if patch and _annotations_after(pod) > ANNOTATIONS_LIMIT:
+            return Decision((), (
+                f"hostpid broker not added: annotation {ANNOTATION_KEY} would take the pod's "
+                f"annotations past the API server's limit of 256 KiB "
+                f"({ANNOTATIONS_LIMIT:,} bytes of keys and values)",), OVERSIZED)
     else:
         patch = tuple(_mount_ops(spec, qualifying, config))
+        size = len(json.dumps(list(patch), separators=(",", ":")))
+        if size > MAX_PATCH:
+            return Decision((), (
+                f"hostpid broker not added: its patch for {len(qualifying):,} qualifying "
+                f"containers would be {size:,} bytes, more than the webhook gives "
+                f"({MAX_PATCH:,})",), OVERSIZED)
     return Decision(patch, (), PATCHED if patch else UNCHANGED)
+
+
+def _annotations_after(pod: Mapping[str, Any]) -> int:
+    """The pod's annotations' size once L{ANNOTATION_KEY} is set to L{ANNOTATION_VALUE}."""
+    annotations = dict(_annotations(pod))
+    annotations[ANNOTATION_KEY] = ANNOTATION_VALUE
+    return annotations_size(annotations)

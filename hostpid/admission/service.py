@@ -19,8 +19,11 @@ C{_getContentFile}); each request must arrive whole within the site's
 timeout of the connection opening or the previous answer, trickling data
 not extending it (a slowloris holds a connection for that long at most);
 and at most L{MAX_CONNECTIONS} connections are held, a newcomer at the cap
-evicting the oldest; the bodies held at once are bounded too
-(L{MAX_BUFFERED}).
+evicting the oldest that has not completed a request; the bodies held at
+once are bounded too, with room kept for small ones (L{SMALL_BODY},
+L{MAX_LARGE_BUFFERED}).  The answer never grows with what the pod supplies
+(L{hostpid.admission.decision}: clipped strings, few warnings, a bounded
+patch), and neither does a log line.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from twisted.web import http
 from twisted.web.resource import Resource
 from twisted.web.server import Request
 
-from hostpid.admission.decision import OUTCOMES, Config, Decision, decide
+from hostpid.admission.decision import OUTCOMES, Config, Decision, clip, decide
 from hostpid.boundedhttp import (
     BoundedChannel,
     BoundedSite,
@@ -60,12 +63,24 @@ MAX_BODY = 1024 * 1024
 REQUEST_TIMEOUT = 10.0
 #: Connections held at once.  A few API servers keep a few connections each.
 MAX_CONNECTIONS = 256
-#: Request body bytes held at once over every connection.  Without this
-#: bound, MAX_CONNECTIONS slow clients each stopping just short of MAX_BODY
-#: would hold 256 MiB, past the chart's memory limit (128 MiB): the kernel
-#: would kill the webhook.  A chunk that would pass it is answered 503 and
-#: the connection closed; real reviews are a few kilobytes.
-MAX_BUFFERED = 32 * 1024 * 1024
+#: The first bytes of every request body, held from a share each connection
+#: has of its own: MAX_CONNECTIONS of them (16 MiB) are always room, so a
+#: review of an ordinary pod (a few kilobytes) is never refused for want of
+#: memory, whatever other connections hold.
+SMALL_BODY = 32 * 1024
+#: Body bytes past each request's first SMALL_BODY, held at once over every
+#: connection.  Without a bound MAX_CONNECTIONS slow clients each stopping
+#: just short of MAX_BODY would hold 256 MiB, past the chart's memory limit
+#: (128 MiB); with one bound for every byte (32 MiB, as it was), 40 such
+#: clients made the webhook answer 503 to most normal reviews.  A chunk that
+#: would pass this is answered 503 and its connection closed: only pods of
+#: more than 64 KiB can be kept waiting by such clients.
+MAX_LARGE_BUFFERED = 8 * 1024 * 1024
+#: Every body byte that can be held at once.
+MAX_BUFFERED = MAX_CONNECTIONS * SMALL_BODY + MAX_LARGE_BUFFERED
+#: The longest C{request.uid} answered (it is echoed back): the API server's
+#: are UUIDs, 36 characters.
+MAX_UID = 128
 #: Latency buckets of the decision, in seconds.
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1.0)
 #: Outcomes beyond the decision's own: reviews answered without a decision.
@@ -134,6 +149,8 @@ def review(body: bytes, config: Config) -> tuple[dict[str, Any], str, str]:
     uid = request.get("uid") if isinstance(request, dict) else None
     if not isinstance(uid, str) or not uid:
         raise _BadReview("no request.uid: not an AdmissionReview")
+    if len(uid) > MAX_UID:
+        raise _BadReview(f"request.uid is longer than {MAX_UID} characters")
     assert isinstance(request, dict)
     if document.get("apiVersion") != API_VERSION or document.get("kind") != "AdmissionReview":
         return _allowed(uid, warnings=(
@@ -149,7 +166,7 @@ def review(body: bytes, config: Config) -> tuple[dict[str, Any], str, str]:
     if not isinstance(metadata, dict):
         metadata = {}
     name = request.get("name") or metadata.get("name") or metadata.get("generateName") or ""
-    who = f"{request.get('namespace') or ''}/{name}"
+    who = f"{clip(request.get('namespace') or '')}/{clip(name)}"
     return _allowed(uid, decision), decision.outcome, who
 
 
@@ -233,24 +250,33 @@ class WebhookRequest(Request):
         channel = self.channel
         if not isinstance(channel, WebhookChannel):
             return
-        if self.content.tell() + len(data) > MAX_BODY:
+        held = self.content.tell()
+        if held + len(data) > MAX_BODY:
             channel.refuse(413, channel.tooLargeText)
             return
         site = channel.site
-        if site.buffered + len(data) > site.maxBuffered:
+        # Bytes past SMALL_BODY come from the pool shared by every
+        # connection; those before it from the connection's own share.
+        large = max(0, held + len(data) - site.smallBody) - max(0, held - site.smallBody)
+        if site.large + large > site.maxLarge:
             channel.refuse(503, b"too many request bytes held at once; retry")
             return
+        site.large += large
         site.buffered += len(data)
         self._counted += len(data)
+        self._counted_large += large
         self._budget = site
         self.content.write(data)
+
+    _counted_large = 0
 
     def _release(self) -> None:
         """Give this request's body bytes back to the site's budget (once)."""
         site: WebhookSite | None = getattr(self, "_budget", None)
         if self._counted and site is not None:
             site.buffered -= self._counted
-        self._counted = 0
+            site.large -= self._counted_large
+        self._counted = self._counted_large = 0
 
     def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:
         # Processing is synchronous: once it returns, the body is no longer needed.
@@ -290,7 +316,9 @@ class WebhookSite(BoundedSite):
     """
     The webhook's factory: the bounded channel, at most L{MAX_CONNECTIONS}
     (L{BoundedSite}), its refusals counted in L{WebhookMetrics}, and the
-    request body bytes held at once over every connection (L{buffered}).
+    request body bytes held at once over every connection (L{buffered}), of
+    which those past each body's first L{SMALL_BODY} (L{large}) are bounded
+    by L{MAX_LARGE_BUFFERED}.
     """
 
     protocol = WebhookChannel
@@ -298,12 +326,16 @@ class WebhookSite(BoundedSite):
 
     def __init__(self, resource: Resource, metrics: WebhookMetrics,
                  timeout: float = REQUEST_TIMEOUT, maxConnections: int = MAX_CONNECTIONS,
-                 maxBuffered: int = MAX_BUFFERED, reactor: Any = None) -> None:
+                 maxLarge: int = MAX_LARGE_BUFFERED, smallBody: int = SMALL_BODY,
+                 reactor: Any = None) -> None:
         super().__init__(resource, maxConnections, timeout, reactor=reactor)
         self.metrics = metrics
-        self.maxBuffered = maxBuffered
+        self.maxLarge = maxLarge
+        self.smallBody = smallBody
         #: Request body bytes held now, over every connection.
         self.buffered = 0
+        #: Of those, the bytes past each body's first C{smallBody}.
+        self.large = 0
 
     def buildProtocol(self, addr: IAddress) -> WebhookChannel:  # type: ignore[override]
         channel = super().buildProtocol(addr)

@@ -13,10 +13,11 @@ from typing import Any
 from twisted.application.internet import StreamServerEndpointService
 from twisted.application.service import IService
 from twisted.internet import endpoints
-from twisted.logger import Logger
+from twisted.logger import ILogObserver, Logger
 from twisted.python import usage
+from twisted.python.components import Componentized
 
-from hostpid import defaults
+from hostpid import defaults, logs
 from hostpid.admission.decision import MODES, Config
 from hostpid.admission.service import REQUEST_TIMEOUT, make_site
 from hostpid.gate import gate_enabled
@@ -48,6 +49,9 @@ class Options(usage.Options):
          "The host broker directory mounted read-only at /tmp/vgpulock/hostpid (mode mounts)."],
         ["request-timeout", None, REQUEST_TIMEOUT,
          "Seconds in which each request must arrive whole."],
+        ["log-files", None, logs.MAX_ROTATED_FILES,
+         "Rotated log files kept beside --logfile (twistd rotates it at 1 MB and on SIGUSR1; "
+         "by itself it keeps every one)."],
     ]
 
     def __init__(self) -> None:
@@ -75,6 +79,10 @@ class Options(usage.Options):
             raise usage.UsageError(f"--request-timeout must be a number of seconds from 0 "
                                    f"to {MAX_TIMEOUT:g}, got {self['request-timeout']!r}")
         self["request-timeout"] = timeout
+        try:
+            self["log-files"] = logs.parse_log_files(self["log-files"])
+        except ValueError as e:
+            raise usage.UsageError(f"--log-files {e}") from None
         from twisted.internet import reactor
 
         try:
@@ -90,9 +98,23 @@ class WebhookService(StreamServerEndpointService):
     _raiseSynchronously = True
     log = Logger()
 
+    #: The observer twistd is to log through (L{hostpid.logs.observer}), or
+    #: None for twistd's own.
+    logObserver: ILogObserver | None = None
+
     def __init__(self, endpoint: Any, factory: Any, config: Config) -> None:
         super().__init__(endpoint, factory)
         self.config = config
+
+    def setServiceParent(self, parent: Any) -> None:
+        """
+        twistd logs through its application's L{ILogObserver} component
+        when it has one (Twisted: C{twisted/application/app.py},
+        C{AppLogger.start}), set here before twistd starts logging.
+        """
+        if self.logObserver is not None and isinstance(parent, Componentized):
+            parent.setComponent(ILogObserver, self.logObserver)
+        super().setServiceParent(parent)
 
     def privilegedStartService(self) -> None:
         super().privilegedStartService()
@@ -127,4 +149,7 @@ def makeService(options: Options | dict[str, Any]) -> IService:
 
         endpoint = endpoints.serverFromString(reactor, options["endpoint"])
     site = make_site(config, timeout=float(options.get("request-timeout") or REQUEST_TIMEOUT))
-    return WebhookService(endpoint, site, config)
+    service = WebhookService(endpoint, site, config)
+    service.logObserver = logs.observer(getattr(options, "parent", None), "text",
+                                        int(options.get("log-files") or logs.MAX_ROTATED_FILES))
+    return service

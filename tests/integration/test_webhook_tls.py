@@ -72,7 +72,7 @@ class Webhook:
     """A real C{twistd hostpid-webhook} on a TLS port of its own."""
 
     def __init__(self, tls: dict[str, Path], mode: str, gate: str,
-                 argv: list[str] | None = None) -> None:
+                 argv: list[str] | None = None, timeout: float = REQUEST_TIMEOUT) -> None:
         self.tls = tls
         env = subprocess_env(LIBVGPU_HOSTPID_BROKER=gate)
         self._log = tempfile.TemporaryFile()
@@ -81,7 +81,7 @@ class Webhook:
                     "--endpoint", f"ssl:0:interface=127.0.0.1:privateKey={tls['tls.key']}"
                                   f":certKey={tls['tls.crt']}",
                     "--mode", mode, "--resource", "nvidia.com/gpu",
-                    "--request-timeout", str(REQUEST_TIMEOUT)]
+                    "--request-timeout", str(timeout)]
         self.process = subprocess.Popen(
             argv, env=env, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
             cwd=tempfile.gettempdir())
