@@ -47,6 +47,7 @@ from hostpid.admission.decision import (
     PATCHED,
     SHADOWED,
     UNCHANGED,
+    USERNS_SYS_ADMIN,
     Config,
     annotations_size,
     clip,
@@ -400,3 +401,57 @@ def test_clip_names_the_length_and_only_the_type_of_anything_else() -> None:
     assert clip("short") == "short"
     assert clip("x" * 1000) == "x" * 64 + "...(1,000 characters)"
     assert clip({"a": "b" * 10**6}) == "<dict>" and clip(None) == "<none>"
+
+
+@pytest.mark.parametrize("security", [
+    {"capabilities": {"add": ["SYS_ADMIN"]}},
+    {"capabilities": {"add": ["NET_ADMIN", "sys_admin"]}},
+    {"capabilities": {"add": ["ALL"]}},
+    {"privileged": True},
+], ids=["sys_admin", "lower-case", "all", "privileged"])
+@pytest.mark.parametrize("where", ["qualifying", "sidecar", "init"])
+def test_a_user_namespaced_pod_that_can_remount_gets_no_broker_volume(
+        security: dict[str, Any], where: str) -> None:
+    """
+    The kubelet idmaps a hostPath for a pod with C{hostUsers: false}, and
+    through an idmapped broker mount such a pod's root, with C{CAP_SYS_ADMIN}
+    in its namespace, remounts it writable and replaces the node's socket
+    (tests/integration/test_userns_pod.py measures it): in mode mounts the
+    pod is admitted as it is, with a warning naming the container.
+    """
+    cuda = container("cuda")
+    other = container("helper", gpu=None, securityContext=security)
+    if where == "qualifying":
+        cuda["securityContext"] = security
+        original = pod(cuda)
+    elif where == "sidecar":
+        original = pod(cuda, other)
+    else:
+        original = pod(cuda, init=(other,))
+    original["spec"]["hostUsers"] = False
+    decision = decide(original, MOUNTS)
+    assert (decision.patch, decision.outcome) == ((), USERNS_SYS_ADMIN)
+    (warning,) = decision.warnings
+    assert "hostUsers: false" in warning and "docs/userns.md" in warning
+    assert ("cuda" if where == "qualifying" else "helper") in warning
+
+
+def test_the_remounting_rule_spares_other_pods() -> None:
+    """
+    Without C{hostUsers: false} (the host's user namespace, where a pod's
+    root is the host's anyway), without a remounting capability, or in mode
+    cdi (the runtime's CDI mounts are not the kubelet's idmapped volumes),
+    the pod gets the broker as before.
+    """
+    admin = container("cuda", securityContext={"capabilities": {"add": ["SYS_ADMIN"]}})
+    in_host_userns = pod(admin)
+    assert decide(in_host_userns, MOUNTS).outcome == PATCHED
+    in_host_userns["spec"]["hostUsers"] = True
+    assert decide(in_host_userns, MOUNTS).outcome == PATCHED
+    plain = pod(container("cuda", securityContext={"capabilities": {"add": ["NET_RAW"],
+                                                                      "drop": ["ALL"]}}))
+    plain["spec"]["hostUsers"] = False
+    assert decide(plain, MOUNTS).outcome == PATCHED
+    user_namespaced = pod(admin)
+    user_namespaced["spec"]["hostUsers"] = False
+    assert decide(user_namespaced, CDI).outcome == PATCHED

@@ -95,8 +95,14 @@ GATE_OFF = "gate_off"
 SHADOWED = "shadowed"
 ANNOTATION_REMOVED = "annotation_removed"
 OVERSIZED = "oversized"
+USERNS_SYS_ADMIN = "userns_sys_admin"
 OUTCOMES = (PATCHED, UNCHANGED, NOT_QUALIFYING, GATE_OFF, SHADOWED, ANNOTATION_REMOVED,
-            OVERSIZED)
+            OVERSIZED, USERNS_SYS_ADMIN)
+
+#: Added capabilities (as a pod spec names them: the runtime prefixes
+#: C{CAP_} and upper-cases, containerd's C{getOCICapabilitiesList}) that let
+#: a process remount a mount of its own mount namespace.
+_REMOUNTING = frozenset({"SYS_ADMIN", "CAP_SYS_ADMIN", "ALL"})
 
 #: Warnings in one answer at most; past it the last one says how many more
 #: there were.  The API server passes each to the client as a C{Warning}
@@ -427,6 +433,13 @@ def decide(pod: Mapping[str, Any], config: Config) -> Decision:
                 f"annotations past the API server's limit of 256 KiB "
                 f"({ANNOTATIONS_LIMIT:,} bytes of keys and values)",), OVERSIZED)
     else:
+        remounter = _userns_remounter(spec)
+        if remounter is not None:
+            return Decision((), (
+                f"hostpid broker not added: the pod has its own user namespace "
+                f"(hostUsers: false) and {remounter}: through the idmapped hostPath the "
+                "kubelet gives such a pod, it could write the node's broker directory "
+                "(docs/userns.md)",), USERNS_SYS_ADMIN)
         patch = tuple(_mount_ops(spec, qualifying, config))
         size = len(json.dumps(list(patch), separators=(",", ":")))
         if size > MAX_PATCH:
@@ -435,6 +448,33 @@ def decide(pod: Mapping[str, Any], config: Config) -> Decision:
                 f"containers would be {size:,} bytes, more than the webhook gives "
                 f"({MAX_PATCH:,})",), OVERSIZED)
     return Decision(patch, (), PATCHED if patch else UNCHANGED)
+
+
+def _userns_remounter(spec: Mapping[str, Any]) -> str | None:
+    """
+    In a pod with a user namespace of its own (C{hostUsers: false}), the
+    first container that could remount the broker's volume writable: one
+    that adds C{SYS_ADMIN} (or C{ALL}) or is privileged.  The kubelet gives
+    such a pod's C{hostPath} volumes the pod's idmapping
+    (C{applyPlatformSpecificContainerConfig}, C{kuberuntime_container_linux.go}),
+    and through an idmapped broker mount the pod's root is the host broker
+    directory's owner: with C{CAP_SYS_ADMIN} in its namespace it remounts
+    the mount read-write and replaces the node's socket, which the clients
+    of other user-namespaced pods then trust (docs/userns.md, measured).
+    Every container counts, not only the qualifying ones: containers of a
+    pod share its user namespace, and with a shared process namespace one
+    can enter another's mounts.  C{None} for any other pod.
+    """
+    if spec.get("hostUsers") is not False:
+        return None
+    for field, index, container in _containers(spec):
+        context = _mapping(container.get("securityContext"))
+        added = _list(_mapping(context.get("capabilities")).get("add"))
+        named = [c for c in added if isinstance(c, str) and c.upper() in _REMOUNTING]
+        if named or context.get("privileged") is True:
+            what = f"adds {clip(named[0])}" if named else "is privileged"
+            return f"{field}[{index}] ({clip(container.get('name'))}) {what}"
+    return None
 
 
 def _annotations_after(pod: Mapping[str, Any]) -> int:
