@@ -204,6 +204,8 @@ def probe_idmapped_mounts() -> tuple[bool, str]:
         try:
             usernspod.unshare(usernspod.CLONE_NEWUSER)
             os.write(ready_write, b"u")
+        except OSError as error:
+            os.write(ready_write, errno.errorcode.get(error.errno or 0, "?").encode())
         finally:
             os.close(ready_write)
             os.read(done_read, 1)
@@ -213,8 +215,11 @@ def probe_idmapped_mounts() -> tuple[bool, str]:
     directory = tempfile.mkdtemp(prefix="hostpid-idmap-probe-", dir="/tmp")
     try:
         namespace = f"/proc/{child}/ns/user"
-        if os.read(ready_read, 1) != b"u":
-            raise ProbeError("the child could not make a user namespace")
+        made = os.read(ready_read, 64)
+        if made != b"u":
+            raise ProbeError(
+                f"the child could not make a user namespace: {made.decode() or 'it exited'}"
+            )
         usernspod.write_maps(child)
         try:
             tree = usernspod.open_tree(directory, usernspod.OPEN_TREE_CLONE | os.O_CLOEXEC)
@@ -392,8 +397,15 @@ FEATURES_FILE = os.environ.get("HOSTPID_FEATURES_FILE")
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
+    """
+    Probe every feature once, before any test runs: what the kernel has,
+    not what a test left behind (a probe that needs a fresh user namespace
+    was seen failing once late in a full run, and its answer is kept for
+    the whole session).  A guest also writes the answers to its job.
+    """
+    found = results()
     if FEATURES_FILE:
-        Path(FEATURES_FILE).write_text(json.dumps(results(), indent=1, sort_keys=True) + "\n")
+        Path(FEATURES_FILE).write_text(json.dumps(found, indent=1, sort_keys=True) + "\n")
 
 
 def results() -> dict[str, dict[str, object]]:
@@ -403,7 +415,7 @@ def results() -> dict[str, dict[str, object]]:
         try:
             found = probe(feature)
             results[feature] = {"present": found.present, "detail": found.detail}
-        except ProbeError as error:
+        except (ProbeError, OSError) as error:
             results[feature] = {"present": None, "detail": f"probe error: {error}"}
     results["release"] = {"present": True, "detail": os.uname().release}
     return results

@@ -43,7 +43,8 @@ def _pytest(
         [sys.executable, "-m", "pytest", "-p", "budget", "-p", "no:cacheprovider", "-q",
          "--rootdir", str(tmp_path), str(tmp_path / "test_subject.py"), *args],
         cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False,
-        env={**os.environ, "PYTHONPATH": str(REPO / "tests"), "HOSTPID_TIME_SCALE": "1", **env},
+        env={**{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},
+             "PYTHONPATH": str(REPO / "tests"), "HOSTPID_TIME_SCALE": "1", **env},
     )
 
 

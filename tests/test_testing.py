@@ -525,6 +525,9 @@ def run_downstream(source: str, module: str, runner: str, public_tmp: Path) -> N
     }[runner]
     env = subprocess_env(HOME=str(work), TMPDIR=str(scratch), PYTHONDONTWRITEBYTECODE="1")
     env.pop("LIBVGPU_HOSTPID_BROKER", None)
+    # A downstream project's own run: not this suite's options (a junit path
+    # given to this run, bench/citime's, is not the downstream user's to write).
+    env.pop("PYTEST_ADDOPTS", None)
     check = f"import os, sys; sys.exit(os.geteuid() != {USER} or os.getuid() != {USER})"
     whoami = subprocess.run(as_user_argv(USER, [sys.executable, "-c", check]), env=env)
     assert whoami.returncode == 0, f"the downstream run would not be UID {USER}"

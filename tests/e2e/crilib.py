@@ -148,6 +148,22 @@ def compile_messages(out_dir: Path) -> ModuleType:
     return module
 
 
+def grpc_module() -> ModuleType:
+    """
+    gRPC, with its fork support off.  The session's containerds keep a
+    channel open, and with it gRPC's threads, while the rest of the suite
+    runs; with fork support on, gRPC restarts its poller in every child
+    this process forks, where a C{preexec_fn} that closes descriptors left
+    it polling a closed epoll: the child aborted (SIGABRT, "epoll_wait
+    error: Bad file descriptor") before it could exec the broker it was
+    meant to be.  No child of the tests uses gRPC.
+    """
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+    import grpc
+
+    return grpc
+
+
 class CriClient:
     """
     Unary calls on C{runtime.v1.RuntimeService} and C{ImageService}, as the
@@ -155,8 +171,7 @@ class CriClient:
     """
 
     def __init__(self, socket_path: Path, messages: ModuleType) -> None:
-        import grpc
-
+        grpc = grpc_module()
         self.pb = messages
         self.channel = grpc.insecure_channel(f"unix://{socket_path}")
 
@@ -500,8 +515,7 @@ class Containerd:
             raise AssertionError(f"containerd exited {self.process.returncode}:\n{self.output()}")
         if not self.socket.exists():
             return False
-        import grpc
-
+        grpc = grpc_module()
         try:
             self.version = self.client.call(
                 "RuntimeService", "Version", self.client.pb.VersionRequest(version="v1"), 2.0)

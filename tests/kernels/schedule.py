@@ -66,7 +66,8 @@ def subset_files(worktree: Path = WORKTREE) -> list[str]:
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "kernel",
          "-p", "no:cacheprovider", "tests"],
         cwd=worktree, capture_output=True, text=True, timeout=300, check=False,
-        env={**os.environ, "HOSTPID_KERNEL_MATRIX": "0"},
+        env={**{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},
+             "HOSTPID_KERNEL_MATRIX": "0"},
     )
     files: list[str] = []
     for line in listed.stdout.splitlines():
