@@ -58,6 +58,15 @@ def plain_text(request: Request, code: int, body: str) -> bytes:
     return data
 
 
+class HealthResource(Resource):
+    """C{/healthz}: answering at all means the reactor is running."""
+
+    isLeaf = True
+
+    def render_GET(self, request: Request) -> bytes:
+        return plain_text(request, 200, "ok")
+
+
 def internal_error(request: Request) -> None:
     """
     Answer a plain C{500} and finish: what a failed request gets instead of

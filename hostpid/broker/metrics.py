@@ -46,6 +46,7 @@ from hostpid import defaults
 from hostpid.boundedhttp import (
     BoundedChannel,
     BoundedSite,
+    HealthResource,
     PrometheusResource,
     internal_error,
     plain_text,
@@ -220,15 +221,6 @@ class BrokerCollector:
     @staticmethod
     def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
         return CounterMetricFamily(name, documentation, value=value)
-
-
-class HealthResource(Resource):
-    """C{/healthz}: answering at all means the reactor is running."""
-
-    isLeaf = True
-
-    def render_GET(self, request: Request) -> bytes:
-        return plain_text(request, 200, "ok")
 
 
 class ReadyResource(Resource):

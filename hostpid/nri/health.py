@@ -20,7 +20,13 @@ from twisted.web.resource import Resource
 from twisted.web.server import Request
 
 from hostpid import defaults
-from hostpid.boundedhttp import BoundedChannel, BoundedSite, PrometheusResource, plain_text
+from hostpid.boundedhttp import (
+    BoundedChannel,
+    BoundedSite,
+    HealthResource,
+    PrometheusResource,
+    plain_text,
+)
 from hostpid.nri.service import NRIMetrics
 
 
@@ -29,13 +35,6 @@ class Readiness(Protocol):
     def ready(self) -> bool: ...
 
     socketPath: str
-
-
-class HealthResource(Resource):
-    isLeaf = True
-
-    def render_GET(self, request: Request) -> bytes:
-        return plain_text(request, 200, "ok")
 
 
 class ReadyResource(Resource):
