@@ -35,6 +35,11 @@ def test_counted(tmp_path_factory):
 """
 
 
+#: This run's own settings, which the pytest under test must not inherit
+#: (this file run with HOSTPID_REPEAT=30 would repeat the tests inside too).
+OUTER = ("PYTEST_ADDOPTS", "HOSTPID_REPEAT", "HOSTPID_TEST_CAP")
+
+
 def _pytest(
     tmp_path: Path, source: str, *args: str, **env: str
 ) -> subprocess.CompletedProcess[str]:
@@ -43,7 +48,7 @@ def _pytest(
         [sys.executable, "-m", "pytest", "-p", "budget", "-p", "no:cacheprovider", "-q",
          "--rootdir", str(tmp_path), str(tmp_path / "test_subject.py"), *args],
         cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False,
-        env={**{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},
+        env={**{k: v for k, v in os.environ.items() if k not in OUTER},
              "PYTHONPATH": str(REPO / "tests"), "HOSTPID_TIME_SCALE": "1", **env},
     )
 
