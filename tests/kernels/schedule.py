@@ -56,9 +56,9 @@ class GuestJob:
 def subset_files(worktree: Path = WORKTREE) -> list[str]:
     """
     The test files that hold the kernel-sensitive subset (C{-m kernel}), as
-    pytest collects them here.  A guest given only these files collects
-    16 modules instead of every module of the suite, which under emulation
-    took minutes of each guest's run; C{-m kernel} still selects within them.
+    pytest collects them here.  A guest given only these files imports those
+    modules (17 today) instead of every module of the suite, each imported
+    under emulation only to be deselected; C{-m kernel} still selects within them.
     The collection also leaves each file's rewritten bytecode in the tree,
     which the guests read through their overlay instead of compiling it.
     """
