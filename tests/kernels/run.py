@@ -34,7 +34,7 @@ def main() -> int:
         help="the guest's PID 1: its own script, or the host's systemd (as test_systemd.py)",
     )
     parser.add_argument(
-        "--timeout", type=float, default=None,
+        "--timeout", type=float, default=matrix.VM_TIMEOUT,
         help="the VM's timeout in seconds (default: the matrix's, 1080)",
     )
     parser.add_argument("pytest_args", nargs="*")
@@ -43,7 +43,7 @@ def main() -> int:
     for kernel in matrix.selected(options.kernel):
         run = matrix.run_kernel(
             kernel, options.pytest_args or None, init=options.init,
-            timeout=options.timeout or matrix.VM_TIMEOUT,
+            timeout=options.timeout,
         )
         matrix.record(kernel, run)
         print(run.summary(), flush=True)

@@ -4,9 +4,10 @@ L{kernels.debian.KERNELS}, each booting that kernel under QEMU and running
 the kernel-sensitive subset (C{pytest -m kernel}) inside as root.
 
 The guests boot in the background while the host's tests run
-(tests/kernels/schedule.py), one at a time, and these tests wait for them
-at the end of the session.  It takes about half an hour for the four kernels
-(emulated CPU), so it runs
+(tests/kernels/schedule.py): one beside them, two at a time once they have
+ended; these tests wait for them at the end of the session.  The guests
+take about half an hour between them (15 minutes of wall time after the
+host's tests, two at a time), so they run
 when C{HOSTPID_KERNEL_MATRIX=1} or C{HOSTPID_REQUIRE_PRIVILEGED=1} (CI:
 C{.ci/run}); otherwise each test says so and skips.  C{HOSTPID_KERNEL_MATRIX=0}
 switches it off explicitly (the guests set it, so a guest never boots another).

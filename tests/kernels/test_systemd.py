@@ -38,13 +38,12 @@ JOB = matrix.job(KERNEL, GUEST_TESTS, timeout=TIMEOUT, init="systemd", alone=Tru
 @pytest.mark.cap(JOB.timeout + 60)
 def test_the_shipped_units_under_real_systemd() -> None:
     matrix.wanted()
-    kernel = KERNEL
     run = schedule.result(JOB)
     print(run.summary())
     print(f"job directory: {run.job}")
     print(run.pytest_log()[-3000:])
     problem = matrix.problem(run)
-    assert problem is None, f"{kernel.name} under systemd ({run.package}): {problem}"
+    assert problem is None, f"{KERNEL.name} under systemd ({run.package}): {problem}"
     assert run.count("passed") == EXPECTED, run.summary()
     # systemd's own word (no journald runs: it writes to the console): each
     # reload ended, and it ignored no notification, which it does (and says)

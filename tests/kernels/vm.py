@@ -19,8 +19,9 @@ import shutil
 import subprocess
 import time
 import xml.etree.ElementTree as ElementTree
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import attrs
 
@@ -123,16 +124,13 @@ def _read(path: Path) -> str:
         return ""
 
 
-def _status(path: Path) -> int | None:
-    try:
-        return int(path.read_text())
-    except (FileNotFoundError, ValueError):
-        return None
+N = TypeVar("N", int, float)
 
 
-def _uptime(path: Path) -> float | None:
+def _number(path: Path, kind: Callable[[str], N]) -> N | None:
+    """The number a guest wrote to C{path} (an exit status, an uptime), or C{None}."""
     try:
-        return float(path.read_text().strip())
+        return kind(path.read_text().strip())
     except (FileNotFoundError, ValueError):
         return None
 
@@ -235,13 +233,13 @@ def run(
     wall = time.monotonic() - started
     lock_parent_after = host_lock_parent_state()
     booted, began, ended = (
-        _uptime(job / name) for name in ("booted-at", "tests-started-at", "tests-ended-at")
+        _number(job / name, float) for name in ("booted-at", "tests-started-at", "tests-ended-at")
     )
     try:
         features = json.loads((job / "features.json").read_text())
     except (FileNotFoundError, ValueError):
         features = {}
-    pytest_rc, canary_rc = (_status(job / name) for name in ("pytest.rc", "canary.rc"))
+    pytest_rc, canary_rc = (_number(job / name, int) for name in ("pytest.rc", "canary.rc"))
     return GuestRun(
         package=unpacked.package,
         release=_read(job / "uname").strip() or unpacked.release,
