@@ -49,7 +49,7 @@ def test_adjuster_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("a bug in the decision")
 
-    monkeypatch.setattr(service, "decide", broken)
+    monkeypatch.setattr(service, "qualify", broken)
     metrics = NRIMetrics()
     adjuster = Adjuster(Config(gate=True), metrics, broker_present=lambda: True)
     request = api_pb2.CreateContainerRequest(pod=pod(), container=gpu_container())

@@ -451,7 +451,7 @@ def adjust(container: api_pb2.Container, config: Config, qualified: Qualified, *
                     f"the container's mount of {mount.source or mount.type!s} at "
                     f"{mount.destination} would shadow the broker's mount at "
                     f"{want.destination}"))
-    missing = tuple(want for want, there in zip(wanted, present) if not there)
+    missing = tuple(want for want, there in zip(wanted, present, strict=True) if not there)
     if mountpoint_problem:
         return Decision(missing, (), MOUNTPOINT_UNSAFE,
                         f"GPU allocation: {qualified.signal}; the lock parent only, "
