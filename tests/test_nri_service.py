@@ -78,7 +78,10 @@ def test_factory_readiness() -> None:
     factory.backoff(2)
     protocol.registered = True  # type: ignore[attr-defined]
     factory.registered(protocol)
-    assert factory.ready and factory.backoff.failures == 0
+    # Registered, not yet configured: not ready (the runtime sends nothing yet).
+    assert factory.connected and not factory.ready and factory.backoff.failures == 0
+    protocol.configured = True  # type: ignore[attr-defined]
+    assert factory.ready
     assert metrics.registry.get_sample_value("hostpid_nri_registered") == 1
     factory.disconnected(protocol, True)
     assert not factory.ready

@@ -298,8 +298,19 @@ class PluginFactory(Factory):
         return protocol
 
     @property
-    def ready(self) -> bool:
+    def connected(self) -> bool:
+        """A connection is registered with the runtime."""
         return self.current is not None and self.current.registered and not self.current.closed
+
+    @property
+    def ready(self) -> bool:
+        """
+        Registered, and configured by the runtime: it calls C{Configure} after
+        the registration, and sends containers only after that (the
+        C{Synchronize} that follows).  Registered alone, the plugin adjusts
+        nothing yet.
+        """
+        return self.connected and bool(getattr(self.current, "configured", False))
 
     def registered(self, protocol: Any) -> None:
         self.current = protocol
