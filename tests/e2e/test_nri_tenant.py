@@ -15,7 +15,8 @@ Why each check exists:
   adjusted (C{not a directory}); a symlink to C{/etc}: runc resolves the
   destination inside the next container's root and mounted the broker
   directory over its C{/etc}.  The next GPU container must START, with its
-  own C{/etc}, and the broker (repaired) or no broker mount at all.
+  own C{/etc}, and the broker (repaired) or, where the plugin cannot repair
+  the entry, the lock parent alone: never a broker mount onto the entry.
 - The lock parent is writable by every GPU container: a set-user-ID-root
   program one container's root leaves there ran as euid 0 for a UID 1000
   process of another container, because the plugin mounted it without
@@ -224,6 +225,28 @@ def test_tenant_cannot_break_the_next_gpu_container(
     assert entry.st_uid == 0 and oct(entry.st_mode & 0o7777) == oct(0o755)
     assert oct(os.stat(gpu_node.node.lock_parent).st_mode & 0o7777) == oct(0o1777)
     assert plugin.output().count("repaired the broker mountpoint") == 2, plugin.output()
+
+
+def test_unrepairable_mountpoint_gives_the_lock_parent_alone(
+        kubelet: Kubelet, gpu_node: GpuNode, plugin: Plugin) -> None:
+    """
+    Where the plugin cannot repair the entry (here the lock parent's parent
+    belongs to UID 1000, which preparation refuses: that user could swap the
+    lock parent itself), the next GPU container still starts, with its own
+    C{/etc}, and gets the lock parent alone: no broker mount, no gate.
+    """
+    parent = gpu_node.node.lock_parent.parent
+    os.chown(parent, WORKLOAD_UID, WORKLOAD_UID)
+    try:
+        tenant_replaces_mountpoint(kubelet, gpu_node, "/bin/busybox ln -s /etc hostpid")
+        done = victim(kubelet, gpu_node, "unrepairable")
+    finally:
+        os.chown(parent, 0, 0)
+    assert_sound(done, gpu_node)
+    assert done.adjustment == Adjustment(
+        ((defaults.LOCK_PARENT, str(gpu_node.node.lock_parent), False),), ())
+    assert (gpu_node.node.lock_parent / "hostpid").is_symlink(), "left as it was"
+    assert "cannot be repaired" in plugin.output(), plugin.output()
 
 
 @pytest.fixture(scope="module")
