@@ -53,8 +53,9 @@ class Options(usage.Options):
          "Two digits: the plugin's place among NRI plugins (lower runs first).  The default "
          "runs after device-injecting plugins, so the GPUs they add are seen."],
         ["metrics", None, None,
-         "Twisted endpoint string for /healthz, /readyz (registered with the runtime) and "
-         "/metrics, e.g. tcp:9396:interface=127.0.0.1.  Off by default."],
+         "Twisted endpoint string for /healthz, /readyz (configured by the runtime, and the "
+         "lock parent, the broker directory and the broker mountpoint usable) and /metrics, "
+         "e.g. tcp:9396:interface=127.0.0.1.  Off by default."],
         ["lock-parent", None, defaults.LOCK_PARENT,
          "The host lock parent, mounted at /tmp/vgpulock."],
         ["broker-dir", None, defaults.BROKER_DIRECTORY,
