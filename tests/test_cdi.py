@@ -32,12 +32,12 @@ BROKER_DIR = "/host/run/hami/hostpid"
 
 def rw(host: str, container: str) -> dict[str, Any]:
     return {"hostPath": host, "containerPath": container,
-            "options": ["rbind", "rw", "nosuid", "nodev"], "type": "bind"}
+            "options": ["rbind", "rw", "nosuid", "nodev", "noexec"], "type": "bind"}
 
 
 def ro(host: str, container: str) -> dict[str, Any]:
     return {"hostPath": host, "containerPath": container,
-            "options": ["rbind", "ro", "nosuid", "nodev"], "type": "bind"}
+            "options": ["rbind", "ro", "nosuid", "nodev", "noexec"], "type": "bind"}
 
 
 def spec(enabled: bool, version: str = cdi.DEFAULT_VERSION) -> dict[str, Any]:

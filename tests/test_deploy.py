@@ -1231,9 +1231,9 @@ def verifiable_unit(tmp_path: Path) -> Path:
     copy_path = tmp_path / UNIT.name
     text = UNIT.read_text()
     assert text.count("ExecStart=/opt/hostpid/venv/bin/twistd ") == 1
-    copy_path.write_text(
-        text.replace("ExecStart=/opt/hostpid/venv/bin/twistd ", f"ExecStart={executable} ")
-    )
+    text = text.replace("ExecStart=/opt/hostpid/venv/bin/twistd ", f"ExecStart={executable} ")
+    copy_path.write_text(text.replace("/opt/hostpid/venv/bin/hostpid ",
+                                      f"{Path(executable).parent / 'hostpid'} "))
     return copy_path
 
 

@@ -180,6 +180,11 @@ ALLOWED: set[tuple[str, str]] = {
     ("hostpid.admission.decision", "hostpid.node.cdi"),
     # The NRI plugin likewise gives a container the allocation's own mounts.
     ("hostpid.nri.decision", "hostpid.node.allocation"),
+    # ...checks and repairs the broker mountpoint by the allocation's own code
+    # (a copy of a descriptor-by-descriptor repair would drift from it)...
+    ("hostpid.nri.hostcheck", "hostpid.node.lockparent"),
+    # ...and bounds its log fields by the webhook's rule: one clip, not two.
+    ("hostpid.nri.service", "hostpid.admission.decision"),
 }
 
 

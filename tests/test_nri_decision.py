@@ -33,10 +33,13 @@ from hostpid.nri.decision import (
     ADJUSTED,
     BROKER_ABSENT,
     GATE_OFF,
+    MAX_ENTRIES,
+    MOUNTPOINT_UNSAFE,
     NOT_QUALIFYING,
     OPT_OUT_KEY,
     OPT_OUT_VALUE,
     OPTED_OUT,
+    OVERSIZED,
     PRESETS,
     SHADOWED,
     UNCHANGED,
@@ -79,7 +82,10 @@ def test_gpu_container_gets_canonical_mounts_and_gate() -> None:
     assert decision.env == (("LIBVGPU_HOSTPID_BROKER", "1"),)
     adjustment = to_adjustment(decision)
     assert [m.type for m in adjustment.mounts] == ["bind", "bind"]
-    assert list(adjustment.mounts[1].options) == ["rbind", "rprivate", "ro"]
+    assert list(adjustment.mounts[0].options) == [
+        "rbind", "rprivate", "rw", "nosuid", "nodev", "noexec"]
+    assert list(adjustment.mounts[1].options) == [
+        "rbind", "rprivate", "ro", "nosuid", "nodev", "noexec"]
     assert decide(pod(), apply(gpu_container(), decision), CONFIG).reason == UNCHANGED
 
 
@@ -222,3 +228,56 @@ def test_properties(mounts: list[tuple[str, str, list[str]]], env: list[str],
     added = {m.destination for m in decision.mounts}
     assert [m.destination for m in after.mounts if m.destination not in added] == [
         p for p, _, _ in mounts if p not in added]
+
+
+def test_unsafe_mountpoint_gives_the_lock_parent_only() -> None:
+    """
+    C{<lock parent>/hostpid} not a directory of the trusted UID (and not
+    repaired): a mount onto it would fail the container (a file) or land
+    where a symlink points inside it.  The lock parent alone, no broker
+    mount, no gate; the reason names the problem.
+    """
+    decision = decide(pod(), gpu_container(), CONFIG,
+                      mountpoint_problem="it is a symlink")
+    assert decision.reason == MOUNTPOINT_UNSAFE and "it is a symlink" in decision.detail
+    assert [m.destination for m in decision.mounts] == [defaults.LOCK_PARENT]
+    assert decision.env == ()
+    # The container's own broker mount (a device plugin's) is left as it is.
+    has_both = apply(gpu_container(), decide(pod(), gpu_container(), CONFIG))
+    again = decide(pod(), has_both, CONFIG, mountpoint_problem="it is a file")
+    assert again.reason == MOUNTPOINT_UNSAFE and again.mounts == () and again.env == ()
+    # A broker mount the plugin does not add shadows nothing; the lock
+    # parent's own destination still does.
+    nested = gpu_container(mounts=[("/tmp/vgpulock/hostpid/x", "/elsewhere", ["rw"])])
+    assert decide(pod(), nested, CONFIG, mountpoint_problem="x").reason == MOUNTPOINT_UNSAFE
+    assert decide(pod(), nested, CONFIG).reason == SHADOWED
+    # Not qualifying, opted out, gate off: the mountpoint does not matter.
+    assert decide(pod(), container(), CONFIG, mountpoint_problem="x").reason == NOT_QUALIFYING
+
+
+@pytest.mark.parametrize("field", ["devices", "cdi", "mounts", "env"])
+def test_oversized_containers_are_not_looked_at(field: str) -> None:
+    """More than L{MAX_ENTRIES} entries in one list: no walk, no adjustment."""
+    ctr = gpu_container()
+    if field == "devices":
+        for _ in range(MAX_ENTRIES):
+            ctr.linux.devices.add()
+    elif field == "cdi":
+        for _ in range(MAX_ENTRIES + 1):
+            ctr.CDI_devices.add()
+    elif field == "mounts":
+        for _ in range(MAX_ENTRIES + 1):
+            ctr.mounts.add()
+    else:
+        ctr.env.extend([""] * MAX_ENTRIES)
+    decision = decide(pod(), ctr, CONFIG)
+    assert decision.reason == OVERSIZED and decision.empty, decision
+    assert f"more than {MAX_ENTRIES}" in decision.detail
+
+
+def test_paths_longer_than_path_max_are_no_signal() -> None:
+    """A device or device-list mount no kernel could use is no signal."""
+    long = "/dev/nvidia" + "0" * 5000
+    assert decide(pod(), container(devices=[long]), CONFIG).reason == NOT_QUALIFYING
+    mount = ("/var/run/nvidia-container-devices/" + "a" * 5000, "/dev/null", ["ro"])
+    assert decide(pod(), container(mounts=[mount]), CONFIG).reason == NOT_QUALIFYING

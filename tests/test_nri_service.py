@@ -49,7 +49,7 @@ def test_adjuster_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("a bug in the decision")
 
-    monkeypatch.setattr(service, "decide", broken)
+    monkeypatch.setattr(service, "qualify", broken)
     metrics = NRIMetrics()
     adjuster = Adjuster(Config(gate=True), metrics, broker_present=lambda: True)
     request = api_pb2.CreateContainerRequest(pod=pod(), container=gpu_container())
@@ -78,7 +78,10 @@ def test_factory_readiness() -> None:
     factory.backoff(2)
     protocol.registered = True  # type: ignore[attr-defined]
     factory.registered(protocol)
-    assert factory.ready and factory.backoff.failures == 0
+    # Registered, not yet configured: not ready (the runtime sends nothing yet).
+    assert factory.connected and not factory.ready and factory.backoff.failures == 0
+    protocol.configured = True  # type: ignore[attr-defined]
+    assert factory.ready
     assert metrics.registry.get_sample_value("hostpid_nri_registered") == 1
     factory.disconnected(protocol, True)
     assert not factory.ready

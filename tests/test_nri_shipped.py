@@ -6,8 +6,9 @@ Why each check exists:
 
 - It runs the plugin as documented (the install's twistd, the runtime's
   default socket, the gate exactly C{1}) and restarts it on failure.
-- Root with nothing root brings: no capability, the filesystem read-only,
-  the host's C{/tmp} visible (the lock parent's presence is checked).
+- Root with nothing root brings: no capability, the filesystem read-only but
+  the host's C{/tmp} (the lock parent's presence is checked and its broker
+  mountpoint repaired); the lock parent prepared before it starts.
 - C{systemd-analyze verify} has nothing to say and C{security --offline}
   rates it 2.0 or less.
 """
@@ -53,6 +54,10 @@ def test_unit_runs_the_plugin_as_documented() -> None:
     assert values("NoNewPrivileges") == ["yes"]
     assert values("ProtectSystem") == ["strict"]
     assert values("PrivateTmp") == ["no"]
+    # The lock parent prepared before the plugin starts, outside the sandbox, not fatally;
+    # /tmp writable for the mountpoint's repair.
+    assert values("ExecStartPre") == ["-+/opt/hostpid/venv/bin/hostpid prepare-lock-parent"]
+    assert values("ReadWritePaths") == ["/tmp"]
     for forbidden in ("User", "DynamicUser", "PrivateNetwork"):
         assert values(forbidden) == []
 
@@ -61,8 +66,10 @@ def verifiable(tmp_path: Path) -> Path:
     twistd = Path(sys.executable).parent / "twistd"
     executable = str(twistd) if twistd.exists() else shutil.which("twistd") or sys.executable
     copy = tmp_path / UNIT.name
-    copy.write_text(UNIT.read_text().replace("ExecStart=/opt/hostpid/venv/bin/twistd ",
-                                             f"ExecStart={executable} "))
+    text = UNIT.read_text().replace("ExecStart=/opt/hostpid/venv/bin/twistd ",
+                                    f"ExecStart={executable} ")
+    copy.write_text(text.replace("/opt/hostpid/venv/bin/hostpid ",
+                                 f"{Path(executable).parent / 'hostpid'} "))
     return copy
 
 

@@ -19,7 +19,8 @@ The spec has kind C{hami.io/hostpid} and two devices:
 
 The mounts are L{hostpid.node.allocation.canonical_mounts}, so raw-mount and
 CDI allocations can never disagree on a path.  Every mount is a recursive
-bind (C{rbind}) with C{nosuid} and C{nodev}; the lock parent is C{rw}, the
+bind (C{rbind}) with C{nosuid}, C{nodev} and C{noexec} (as the NRI plugin's; nothing is
+executed from either: L{hostpid.nri.decision}); the lock parent is C{rw}, the
 broker directory C{ro}.  The mount C{type} (C{bind}) is given explicitly, so
 a runtime never has to guess it from the options; that field exists from CDI
 0.4.0, which is why older versions are refused.
@@ -129,7 +130,7 @@ def _mount_object(host_path: str, container_path: str, read_only: bool) -> dict[
     return {
         "hostPath": host_path,
         "containerPath": container_path,
-        "options": ["rbind", "ro" if read_only else "rw", "nosuid", "nodev"],
+        "options": ["rbind", "ro" if read_only else "rw", "nosuid", "nodev", "noexec"],
         "type": MOUNT_TYPE,
     }
 

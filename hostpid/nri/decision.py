@@ -71,6 +71,7 @@ adjustment would replace the container's mount at the same destination).
 from __future__ import annotations
 
 import fnmatch
+import functools
 import re
 from collections.abc import Iterable, Mapping
 
@@ -94,10 +95,33 @@ OPTED_OUT = "opted_out"
 GATE_OFF = "gate_off"
 BROKER_ABSENT = "broker_absent"
 SHADOWED = "shadowed"
+#: The broker mountpoint C{<lock parent>/hostpid} is not a directory owned by
+#: the trusted UID and could not be repaired: the lock parent alone, no broker
+#: mount and no gate (a bind mount onto a planted file fails the container; onto
+#: a planted symlink it lands wherever the link points inside the container).
+MOUNTPOINT_UNSAFE = "mountpoint_unsafe"
+#: More entries in one of the container's lists than L{MAX_ENTRIES}: not
+#: looked at (a decision over millions of entries outlasts the runtime's
+#: request timeout, and the runtime then drops the plugin for every container).
+OVERSIZED = "oversized"
 #: Not the decision's: the service's when the decision raised.
 ERROR = "error"
 REASONS = (ADJUSTED, UNCHANGED, NOT_QUALIFYING, OPTED_OUT, GATE_OFF, BROKER_ABSENT,
-           SHADOWED, ERROR)
+           SHADOWED, MOUNTPOINT_UNSAFE, OVERSIZED, ERROR)
+
+#: The most entries of one list (devices, CDI devices, mounts, environment)
+#: a container may have for the decision to look at it.  A real container has
+#: hundreds at most (a privileged one gets every host device: a few thousand);
+#: one frame of NRI (4 MiB) can carry two million empty ones, whose Python
+#: objects alone take a second to walk.  At this bound every list together is
+#: walked in milliseconds (tests/integration/test_nri_process.py sends the
+#: largest frames).
+MAX_ENTRIES = 16384
+#: Paths longer than the kernel's C{PATH_MAX} cannot be mounted or opened: a
+#: mount or device with one is no signal and covers nothing the broker needs,
+#: so it is never cleaned (cleaning is linear in the path, and there may be
+#: thousands of them).
+PATH_MAX = 4096
 
 #: Mount options of the bind mounts added: what containerd's CRI gives a
 #: kubelet mount (C{internal/cri/opts/spec_linux_opts.go}, C{WithMounts}:
@@ -106,8 +130,17 @@ REASONS = (ADJUSTED, UNCHANGED, NOT_QUALIFYING, OPTED_OUT, GATE_OFF, BROKER_ABSE
 #: host's root as the overflow UID, which the client's rule accepts, and it is
 #: the one mount such a pod's root cannot write through even after remounting
 #: it, where an idmapped one maps that root to the host's (docs/userns.md).
-LOCK_PARENT_OPTIONS = ("rbind", "rprivate", "rw")
-BROKER_OPTIONS = ("rbind", "rprivate", "ro")
+#:
+#: C{nosuid} and C{nodev} on both (as the CDI spec has them,
+#: L{hostpid.node.cdi}): the lock parent is writable by every GPU container, so
+#: without them a set-user-ID program or a device node one container's root
+#: leaves there works for another container's user.  C{noexec} on both: nothing
+#: is executed from either (HAMi-core opens only C{/tmp/vgpulock/lock}, with
+#: C{open(O_CREAT|O_RDWR)} and C{flock}: C{src/utils.c},
+#: C{try_lock_unified_lock}; its shared region is C{/tmp/cudevshr.cache},
+#: outside; the client connects to the socket).
+LOCK_PARENT_OPTIONS = ("rbind", "rprivate", "rw", "nosuid", "nodev", "noexec")
+BROKER_OPTIONS = ("rbind", "rprivate", "ro", "nosuid", "nodev", "noexec")
 
 NVIDIA_DEVICE_LIST_DIR = "/var/run/nvidia-container-devices"
 
@@ -236,30 +269,66 @@ def to_adjustment(decision: Decision) -> api_pb2.ContainerAdjustment:
     return adjustment
 
 
+@functools.lru_cache(maxsize=64)
+def _device_pattern(pattern: str) -> re.Pattern[str]:
+    """C{pattern} (a glob, or C{re:} and a regular expression) compiled once."""
+    return re.compile(pattern[3:] if pattern.startswith("re:") else fnmatch.translate(pattern))
+
+
 def _device_matches(pattern: str, path: str) -> bool:
-    if pattern.startswith("re:"):
-        return re.fullmatch(pattern[3:], path) is not None
-    return fnmatch.fnmatchcase(path, pattern)
+    return _device_pattern(pattern).fullmatch(path) is not None
+
+
+def _could_name(path: str, name: str) -> bool:
+    """
+    Whether C{path} could clean to a path with the component C{name}:
+    cleaning only removes components, never makes one, so a path without
+    C{name} in it cannot (a substring search, for the many mounts that are
+    nothing of ours, instead of cleaning each).
+    """
+    return name in path and len(path) <= PATH_MAX
+
+
+def oversized(container: api_pb2.Container) -> str | None:
+    """Which of C{container}'s lists is longer than L{MAX_ENTRIES}, or None."""
+    for what, entries in (("devices", container.linux.devices),
+                          ("CDI devices", container.CDI_devices),
+                          ("mounts", container.mounts), ("environment", container.env)):
+        if len(entries) > MAX_ENTRIES:
+            return f"{len(entries)} {what}, more than {MAX_ENTRIES}"
+    return None
 
 
 def allocation_signal(container: api_pb2.Container, signals: Iterable[Signal]) -> str | None:
-    """The first trusted signal C{container} carries, described, or None."""
-    devices = [d.path for d in container.linux.devices]
-    cdi_kinds = [d.name.partition("=")[0] for d in container.CDI_devices]
-    devnull = [clean_container_path(m.destination) for m in container.mounts
-               if clean_container_path(m.source) == "/dev/null"]
+    """
+    The first trusted signal C{container} carries, described, or None.
+
+    Each list is walked once per signal kind, with no cleaning of a path
+    that cannot match (L{_could_name}): linear in the container, and a few
+    milliseconds at L{MAX_ENTRIES}.
+    """
+    signals = tuple(signals)
     for signal in signals:
         if signal.kind == "device":
-            for path in devices:
-                if _device_matches(signal.pattern, path):
+            for device in container.linux.devices:
+                path = device.path
+                if len(path) <= PATH_MAX and _device_matches(signal.pattern, path):
                     return f"device {path}"
         elif signal.kind == "cdi":
-            for kind in cdi_kinds:
+            for cdi_device in container.CDI_devices:
+                kind = cdi_device.name.partition("=")[0]
                 if kind == signal.pattern:
                     return f"CDI device of kind {kind}"
         else:
             directory = clean_container_path(signal.pattern)
-            for destination in devnull:
+            last = directory.rsplit("/", 1)[-1]
+            for mount in container.mounts:
+                if not (_could_name(mount.source, "null")
+                        and _could_name(mount.destination, last)):
+                    continue
+                if clean_container_path(mount.source) != "/dev/null":
+                    continue
+                destination = clean_container_path(mount.destination)
                 if destination != directory and is_within(destination, directory):
                     return f"device-list mount {destination}"
     return None
@@ -279,9 +348,14 @@ def _is_reserved(target: str) -> bool:
         target, defaults.CONTAINER_BROKER_DIRECTORY)
 
 
-def _is_canonical(mount: api_pb2.Mount, want: AddMount) -> bool:
+#: The one component every reserved destination has (L{_could_name}).
+_RESERVED_NAME = defaults.LOCK_PARENT.rsplit("/", 1)[-1]
+
+
+def _is_canonical(mount: api_pb2.Mount, target: str, want: AddMount) -> bool:
     return (
-        clean_container_path(mount.destination) == want.destination
+        target == want.destination
+        and len(mount.source) <= PATH_MAX
         and clean_container_path(mount.source) == clean_container_path(want.source)
         and ("ro" in mount.options) == ("ro" in want.options)
     )
@@ -297,23 +371,29 @@ def _wanted(config: Config) -> tuple[AddMount, ...]:
 
 def gate_values(env: Iterable[str]) -> list[str]:
     """Every value C{env} gives the gate, in order."""
-    values = []
-    for entry in env:
-        key, _, value = entry.partition("=")
-        if key == GATE_ENV:
-            values.append(value)
-    return values
+    prefix = GATE_ENV + "="
+    return [entry[len(prefix):] for entry in env
+            if entry.startswith(prefix)]
 
 
-def decide(pod: api_pb2.PodSandbox, container: api_pb2.Container, config: Config, *,
-           broker_present: bool = True) -> Decision:
+@attrs.frozen
+class Qualified:
+    """A container L{qualify} found to need the broker: the signal, described."""
+
+    signal: str
+
+
+def qualify(pod: api_pb2.PodSandbox, container: api_pb2.Container,
+            config: Config) -> Decision | Qualified:
     """
-    The adjustment for C{container} of C{pod}.
-
-    @param broker_present: the broker directory and the lock parent exist
-        on the host (the caller looks): a bind mount of a missing source
-        would fail the container's creation.
+    The part of the decision that needs nothing of the host: a final
+    L{Decision} (not qualifying, opted out, gate off, oversized), or
+    L{Qualified} when the host's state decides the rest (L{adjust}).  The
+    caller looks at the host only for a qualifying container.
     """
+    too_many = oversized(container)
+    if too_many is not None:
+        return Decision(reason=OVERSIZED, detail=f"not looked at: {too_many}")
     signal = allocation_signal(container, config.signals)
     if signal is None:
         return Decision(reason=NOT_QUALIFYING)
@@ -323,34 +403,77 @@ def decide(pod: api_pb2.PodSandbox, container: api_pb2.Container, config: Config
                         detail=f"pod {where} {OPT_OUT_KEY}={OPT_OUT_VALUE}")
     if not config.gate:
         return Decision(reason=GATE_OFF, detail=f"{GATE_ENV} is not exactly 1 for the plugin")
+    return Qualified(signal)
+
+
+def adjust(container: api_pb2.Container, config: Config, qualified: Qualified, *,
+           broker_present: bool = True, mountpoint_problem: str = "") -> Decision:
+    """
+    The adjustment of a qualifying container, given what the caller saw on
+    the host.
+
+    @param broker_present: the broker directory and the lock parent exist
+        on the host: a bind mount of a missing source would fail the
+        container's creation.
+    @param mountpoint_problem: empty when C{<lock parent>/hostpid} is a
+        directory owned by the trusted UID (as found, or once repaired);
+        otherwise what is wrong with it.  Then the container gets the lock
+        parent alone (HAMi-core's own lock needs it) and neither the broker
+        mount nor the gate: a mount onto a planted file fails the container,
+        onto a planted symlink it lands where the link points inside the
+        container (its C{/etc}, say).
+    """
     if not broker_present:
         return Decision(reason=BROKER_ABSENT,
                         detail=f"the broker directory {config.broker_dir} or the lock parent "
                                f"{config.lock_parent} does not exist")
     wanted = _wanted(config)
-    missing = []
-    for want in wanted:
-        present = False
-        for mount in container.mounts:
-            target = clean_container_path(mount.destination)
-            if not _is_reserved(target):
-                continue
-            if _is_canonical(mount, want):
-                present = True
+    if mountpoint_problem:
+        wanted = wanted[:1]
+    present = [False] * len(wanted)
+    # One walk over the mounts; only a destination with the reserved name
+    # in it is cleaned (L{_could_name}).
+    for mount in container.mounts:
+        if not _could_name(mount.destination, _RESERVED_NAME):
+            continue
+        target = clean_container_path(mount.destination)
+        if not _is_reserved(target):
+            continue
+        for index, want in enumerate(_wanted(config)):
+            if index < len(wanted) and _is_canonical(mount, target, want):
+                present[index] = True
             elif target == want.destination or (
                     want.destination == defaults.CONTAINER_BROKER_DIRECTORY
                     and is_within(target, want.destination)):
+                if index >= len(wanted):
+                    continue  # the broker mount is not added: nothing to shadow
                 return Decision(reason=SHADOWED, detail=(
                     f"the container's mount of {mount.source or mount.type!s} at "
                     f"{mount.destination} would shadow the broker's mount at "
                     f"{want.destination}"))
-        if not present:
-            missing.append(want)
+    missing = tuple(want for want, there in zip(wanted, present, strict=True) if not there)
+    if mountpoint_problem:
+        return Decision(missing, (), MOUNTPOINT_UNSAFE,
+                        f"GPU allocation: {qualified.signal}; the lock parent only, "
+                        f"no broker mount: {mountpoint_problem}")
     values = gate_values(container.env)
     env: tuple[tuple[str, str], ...] = ()
     if not values or any(v != ENABLED_VALUE for v in values):
         env = ((GATE_ENV, ENABLED_VALUE),)
-    decision = Decision(tuple(missing), env, ADJUSTED, f"GPU allocation: {signal}")
+    decision = Decision(missing, env, ADJUSTED, f"GPU allocation: {qualified.signal}")
     if decision.empty:
         return attrs.evolve(decision, reason=UNCHANGED)
     return decision
+
+
+def decide(pod: api_pb2.PodSandbox, container: api_pb2.Container, config: Config, *,
+           broker_present: bool = True, mountpoint_problem: str = "") -> Decision:
+    """
+    The adjustment for C{container} of C{pod}: L{qualify}, then L{adjust}
+    with what the caller saw on the host (see there).
+    """
+    qualified = qualify(pod, container, config)
+    if isinstance(qualified, Decision):
+        return qualified
+    return adjust(container, config, qualified, broker_present=broker_present,
+                  mountpoint_problem=mountpoint_problem)

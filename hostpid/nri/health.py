@@ -6,13 +6,19 @@ data does not extend, C{GET}/C{HEAD} only and no body, one request per
 connection, no traceback and no access log.
 
   - C{/healthz}: the reactor answers;
-  - C{/readyz}: 200 while the plugin is registered with the runtime, 503
-    otherwise (the runtime is down, restarting, or refused the plugin);
+  - C{/readyz}: 200 once the runtime has configured the plugin (registered
+    alone, it is sent no container yet) and, with the gate on, while the
+    broker directory and the lock parent exist and the broker mountpoint is
+    sound (L{hostpid.nri.hostcheck}); 503 with the reason otherwise (the
+    runtime is down, restarting, refused the plugin or has not configured
+    it; a host path is missing; the mountpoint is unsafe and cannot be
+    repaired);
   - C{/metrics}: L{hostpid.nri.service.NRIMetrics}.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from twisted.web import http
@@ -27,6 +33,7 @@ from hostpid.boundedhttp import (
     PrometheusResource,
     plain_text,
 )
+from hostpid.nri.hostcheck import HostState
 from hostpid.nri.service import NRIMetrics
 
 
@@ -37,19 +44,41 @@ class Readiness(Protocol):
     socketPath: str
 
 
+def not_ready_because(service: Readiness,
+                      host: Callable[[], HostState] | None = None) -> str | None:
+    """Why the plugin is not ready, or None when it is."""
+    if not service.ready:
+        factory = getattr(service, "pluginFactory", None)
+        if factory is not None and getattr(factory, "connected", False):
+            return (f"registered with the runtime at {service.socketPath}, not yet "
+                    "configured by it")
+        return f"not registered with the runtime at {service.socketPath}"
+    if host is None:
+        return None
+    state = host()
+    if state.missing:
+        return f"missing on the host: {' and '.join(state.missing)}"
+    if state.mountpoint_problem:
+        return (f"the broker mountpoint is unsafe and cannot be repaired: "
+                f"{state.mountpoint_problem}")
+    return None
+
+
 class ReadyResource(Resource):
     isLeaf = True
 
-    def __init__(self, service: Readiness) -> None:
+    def __init__(self, service: Readiness,
+                 host: Callable[[], HostState] | None = None) -> None:
         super().__init__()
         self.service = service
+        self.host = host
 
     def render_GET(self, request: Request) -> bytes:
-        if self.service.ready:
-            return plain_text(request, 200,
-                              f"ready: registered with the runtime at {self.service.socketPath}")
-        return plain_text(request, 503, f"not ready: not registered with the runtime at "
-                                        f"{self.service.socketPath}")
+        why = not_ready_because(self.service, self.host)
+        if why is None:
+            return plain_text(request, 200, f"ready: configured by the runtime at "
+                                            f"{self.service.socketPath}")
+        return plain_text(request, 503, f"not ready: {why}")
 
 
 class HealthChannel(BoundedChannel):
@@ -70,10 +99,15 @@ class HealthSite(BoundedSite):
     protocol = HealthChannel
 
 
-def health_site(service: Readiness, metrics: NRIMetrics, reactor: Any = None) -> HealthSite:
+def health_site(service: Readiness, metrics: NRIMetrics, reactor: Any = None,
+                host: Callable[[], HostState] | None = None) -> HealthSite:
+    """
+    @param host: looks at the host (L{hostpid.nri.service.Adjuster.look});
+        None with the gate off, when the host's state changes nothing.
+    """
     root = Resource()
     root.putChild(b"metrics", PrometheusResource(metrics.registry))
     root.putChild(b"healthz", HealthResource())
-    root.putChild(b"readyz", ReadyResource(service))
+    root.putChild(b"readyz", ReadyResource(service, host))
     return HealthSite(root, defaults.METRICS_MAX_CONNECTIONS, defaults.METRICS_REQUEST_TIMEOUT,
                       reactor=reactor)

@@ -18,7 +18,6 @@ connection kept up, readiness.
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from collections.abc import Callable
@@ -33,17 +32,22 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from hostpid.admission.decision import clip
 from hostpid.nri import api_pb2
 from hostpid.nri.decision import (
     ADJUSTED,
     ERROR,
+    MOUNTPOINT_UNSAFE,
+    OVERSIZED,
     REASONS,
     SHADOWED,
     Config,
     Decision,
-    decide,
+    qualify,
     to_adjustment,
 )
+from hostpid.nri.decision import adjust as adjust_decision
+from hostpid.nri.hostcheck import HostCheck, HostState
 from hostpid.nri.plugin import (
     DEFAULT_INDEX,
     REGISTRATION_TIMEOUT,
@@ -91,44 +95,128 @@ class NRIMetrics:
             ["outcome"], registry=self.registry)
         for outcome in ("registered", "dropped"):
             self.connections.labels(outcome)
+        self.repairs = Counter(
+            "hostpid_nri_mountpoint_repairs", "Broker mountpoints (<lock parent>/hostpid) "
+            "found replaced (a file, a symlink, another's directory) and repaired before an "
+            "adjustment.", registry=self.registry)
+        self.host_ready = Gauge(
+            "hostpid_nri_host_ready", "1 while the broker directory and the lock parent exist "
+            "and the broker mountpoint is sound (as last looked at).", registry=self.registry)
 
 
 def _describe(request: api_pb2.CreateContainerRequest) -> dict[str, str]:
+    """
+    The log fields naming the container: each clipped (L{clip}, the
+    webhook's bound), since the runtime passes on whatever names the pod
+    spec chose (one CreateContainer with megabyte names wrote 3.9 MB of log).
+    """
     return {
-        "namespace": request.pod.namespace,
-        "pod": request.pod.name,
-        "container": request.container.name,
-        "container_id": request.container.id[:12],
+        "namespace": clip(request.pod.namespace),
+        "pod": clip(request.pod.name),
+        "container": clip(request.container.name),
+        "container_id": clip(request.container.id[:12]),
     }
+
+
+#: Characters kept of a decision's detail in a log line: it quotes a mount's
+#: source and destination, which the pod spec chose.
+MAX_DETAIL = 512
+
+
+def _bounded_detail(detail: str) -> str:
+    if len(detail) <= MAX_DETAIL:
+        return detail
+    return f"{detail[:MAX_DETAIL]}...({len(detail):,} characters)"
 
 
 @implementer(IAdjuster)
 class Adjuster:
     """
-    The decision, with the broker directory's presence, metrics and logs.
+    The decision, with the host looked at, metrics and logs.
 
-    @param broker_present: looks at the host: both host paths the mounts
-        name (the broker directory and the lock parent) are directories.  A
-        bind mount of a missing source fails the container's creation, so
-        without them the container is left as it is.  Injected for tests.
+    @param host: looks at the host before the adjustment of a qualifying
+        container (L{HostCheck}: the broker directory and the lock parent
+        exist, the broker mountpoint is a directory of the trusted UID or is
+        repaired).  Only a qualifying container costs the look.
+    @param broker_present: for tests: replaces the presence look with this
+        callable, and the mountpoint is taken as sound.
     """
 
     log = Logger()
 
     def __init__(self, config: Config, metrics: NRIMetrics,
                  broker_present: Callable[[], bool] | None = None,
-                 timer: Callable[[], float] = time.perf_counter) -> None:
+                 timer: Callable[[], float] = time.perf_counter,
+                 host: HostCheck | None = None) -> None:
         self.config = config
         self.metrics = metrics
-        self.broker_present = broker_present or (
-            lambda: os.path.isdir(config.broker_dir) and os.path.isdir(config.lock_parent))
+        self.host = host or HostCheck(config.lock_parent, config.broker_dir)
+        self._present = broker_present
         self.timer = timer
+        #: What the host looked like last (L{_observe} logs each change once).
+        self.last: HostState | None = None
+
+    def look(self) -> HostState:
+        """The host's state now, each change logged once (L{HostCheck.check})."""
+        if self._present is not None:
+            state = HostState(missing=() if self._present() else (self.config.broker_dir,))
+        else:
+            state = self.host.check()
+        self._observe(state)
+        return state
+
+    def _observe(self, state: HostState) -> None:
+        for repair in state.repairs:
+            self.metrics.repairs.inc()
+            self.log.warn(
+                "hostpid-nri: repaired the broker mountpoint {mountpoint}: found a {found} "
+                "owned by UID {owner_uid} (mode {mode:04o}); {action}",
+                mountpoint=f"{self.config.lock_parent}/hostpid", found=repair.found,
+                owner_uid=repair.owner_uid, mode=repair.mode, action=repair.action)
+        if state.made:
+            self.log.info("hostpid-nri: made the broker mountpoint {mountpoint}",
+                          mountpoint=f"{self.config.lock_parent}/hostpid")
+        previous, self.last = self.last, state
+        self.metrics.host_ready.set(0 if state.missing or state.mountpoint_problem else 1)
+        if previous is not None and previous.missing == state.missing and (
+                previous.mountpoint_problem == state.mountpoint_problem) and (
+                previous.repair_failure == state.repair_failure):
+            return
+        was_missing = previous.missing if previous is not None else ()
+        if state.missing:
+            self.log.warn(
+                "hostpid-nri: {missing} missing on the host: GPU containers are created "
+                "without the broker until it exists (prepare the lock parent with "
+                "`hostpid prepare-lock-parent` or the broker's --cdi-dir, docs/nri.md)",
+                missing=" and ".join(state.missing), paths=list(state.missing))
+        elif was_missing:
+            self.log.info("hostpid-nri: the broker directory and the lock parent exist again")
+        if state.mountpoint_problem:
+            self.log.warn(
+                "hostpid-nri: the broker mountpoint is unsafe and cannot be repaired: "
+                "{problem} ({failure}); GPU containers get the lock parent only, no broker",
+                problem=state.mountpoint_problem, failure=state.repair_failure)
+        elif state.repair_failure:
+            self.log.warn(
+                "hostpid-nri: the lock parent cannot be prepared ({failure}); its broker "
+                "mountpoint is sound, GPU containers still get the broker",
+                failure=state.repair_failure)
+        elif previous is not None and (previous.mountpoint_problem or previous.repair_failure) \
+                and not state.missing:
+            self.log.info("hostpid-nri: the broker mountpoint is sound again")
 
     def adjust(self, request: api_pb2.CreateContainerRequest) -> api_pb2.ContainerAdjustment:
         started = self.timer()
         try:
-            decision = decide(request.pod, request.container, self.config,
-                              broker_present=self.broker_present())
+            qualified = qualify(request.pod, request.container, self.config)
+            if isinstance(qualified, Decision):
+                decision = qualified
+            else:
+                state = self.look()
+                decision = adjust_decision(
+                    request.container, self.config, qualified,
+                    broker_present=state.broker_present,
+                    mountpoint_problem=state.mountpoint_problem)
             adjustment = to_adjustment(decision)
         except Exception:
             self.metrics.decisions.labels(ERROR).inc()
@@ -147,18 +235,19 @@ class Adjuster:
         if elapsed > DECISION_BUDGET:
             self.log.warn("hostpid-nri: a decision took {elapsed:.3f} s (budget {budget} s)",
                           elapsed=elapsed, budget=DECISION_BUDGET)
+        detail = _bounded_detail(decision.detail)
         if decision.reason == ADJUSTED:
             self.log.info(
                 "hostpid-nri: {namespace}/{pod} container {container}: broker mounts and gate "
-                "added ({detail})", detail=decision.detail, **_describe(request))
-        elif decision.reason == SHADOWED:
+                "added ({detail})", detail=detail, **_describe(request))
+        elif decision.reason in (SHADOWED, MOUNTPOINT_UNSAFE, OVERSIZED):
             self.log.warn(
-                "hostpid-nri: {namespace}/{pod} container {container}: not adjusted: {detail}",
-                detail=decision.detail, **_describe(request))
+                "hostpid-nri: {namespace}/{pod} container {container}: {reason}: {detail}",
+                reason=decision.reason, detail=detail, **_describe(request))
         elif decision.detail:
             self.log.debug(
                 "hostpid-nri: {namespace}/{pod} container {container}: {reason}: {detail}",
-                reason=decision.reason, detail=decision.detail, **_describe(request))
+                reason=decision.reason, detail=detail, **_describe(request))
 
 
 @attrs.define
@@ -209,8 +298,19 @@ class PluginFactory(Factory):
         return protocol
 
     @property
-    def ready(self) -> bool:
+    def connected(self) -> bool:
+        """A connection is registered with the runtime."""
         return self.current is not None and self.current.registered and not self.current.closed
+
+    @property
+    def ready(self) -> bool:
+        """
+        Registered, and configured by the runtime: it calls C{Configure} after
+        the registration, and sends containers only after that (the
+        C{Synchronize} that follows).  Registered alone, the plugin adjusts
+        nothing yet.
+        """
+        return self.connected and bool(getattr(self.current, "configured", False))
 
     def registered(self, protocol: Any) -> None:
         self.current = protocol

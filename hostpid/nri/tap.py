@@ -9,10 +9,11 @@ that turning the gate on is a restart of the plugin and nothing else.
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
-from twisted.application.internet import StreamServerEndpointService
+from twisted.application.internet import StreamServerEndpointService, TimerService
 from twisted.application.service import IService, MultiService
 from twisted.internet import endpoints
 from twisted.internet.defer import Deferred
@@ -27,6 +28,9 @@ from hostpid.nri.decision import DEFAULT_RESOURCES, Config, Signal, parse_resour
 from hostpid.nri.plugin import DEFAULT_INDEX, REGISTRATION_TIMEOUT
 
 DEFAULT_SOCKET = "/var/run/nri/nri.sock"
+#: Seconds between two looks at the host (L{hostpid.nri.service.Adjuster.look})
+#: besides the one before each adjustment.
+HOST_LOOK_INTERVAL = 10.0
 #: NRI's own rule for an index: two digits (containerd/nri
 #: C{pkg/api/plugin.go}, C{CheckPluginIndex}).
 INDEX = re.compile(r"[0-9]{2}")
@@ -49,8 +53,9 @@ class Options(usage.Options):
          "Two digits: the plugin's place among NRI plugins (lower runs first).  The default "
          "runs after device-injecting plugins, so the GPUs they add are seen."],
         ["metrics", None, None,
-         "Twisted endpoint string for /healthz, /readyz (registered with the runtime) and "
-         "/metrics, e.g. tcp:9396:interface=127.0.0.1.  Off by default."],
+         "Twisted endpoint string for /healthz, /readyz (configured by the runtime, and the "
+         "lock parent, the broker directory and the broker mountpoint usable) and /metrics, "
+         "e.g. tcp:9396:interface=127.0.0.1.  Off by default."],
         ["lock-parent", None, defaults.LOCK_PARENT,
          "The host lock parent, mounted at /tmp/vgpulock."],
         ["broker-dir", None, defaults.BROKER_DIRECTORY,
@@ -115,19 +120,46 @@ def config_from(options: Options | dict[str, Any], environ: Any = None) -> Confi
     )
 
 
+#: What the plugin says, once, while the runtime's NRI socket does not exist.
+NRI_OFF_HINT = (
+    "NRI may be off in the container runtime.  containerd 1.7: in config.toml, "
+    "[plugins.\"io.containerd.nri.v1.nri\"] disable = false (containerd 2.x has it on); "
+    "CRI-O before 1.30: [crio.nri] enable_nri = true; then restart the runtime.  "
+    "--nri-socket must name the socket the runtime's NRI configuration names"
+)
+
+
 @implementer(IStreamClientEndpoint)
 class SocketEndpoint:
     """
     The runtime's socket as a client endpoint that names its path when
-    logged (C{ClientService} logs each retry with the endpoint's C{repr}).
+    logged (C{ClientService} logs each retry with the endpoint's C{repr}),
+    and says once, until a connection succeeds, that a socket that does not
+    exist may mean NRI is off in the runtime, and how to turn it on.
     """
+
+    log = Logger()
 
     def __init__(self, reactor: Any, path: str) -> None:
         self.path = path
         self._endpoint = endpoints.UNIXClientEndpoint(reactor, path)
+        self.hinted = False
 
     def connect(self, factory: IProtocolFactory) -> Deferred[IProtocol]:
-        return self._endpoint.connect(factory)
+        connecting = self._endpoint.connect(factory)
+        connecting.addCallbacks(self._connected, self._failed)
+        return connecting
+
+    def _connected(self, protocol: IProtocol) -> IProtocol:
+        self.hinted = False
+        return protocol
+
+    def _failed(self, failure: Any) -> Any:
+        if not self.hinted and not os.path.exists(self.path):
+            self.hinted = True
+            self.log.warn("hostpid-nri: no NRI socket at {socket}.  {hint}.  Retrying.",
+                          socket=self.path, hint=NRI_OFF_HINT)
+        return failure
 
     def __repr__(self) -> str:
         return f"unix:{self.path}"
@@ -174,18 +206,26 @@ def makeService(options: Options | dict[str, Any], reactor: Any = None) -> IServ
     socket_path = options.get("nri-socket") or DEFAULT_SOCKET
     index = options.get("plugin-index") or DEFAULT_INDEX
     metrics = NRIMetrics()
+    adjuster = Adjuster(config, metrics)
     factory = PluginFactory(
-        Adjuster(config, metrics), reactor, metrics, Backoff(), index=index,
+        adjuster, reactor, metrics, Backoff(), index=index,
         registration_timeout=float(options.get("registration-timeout") or REGISTRATION_TIMEOUT))
     root = PluginRoot(config, socket_path, index)
     client = NRIPluginService(SocketEndpoint(reactor, socket_path), factory, reactor,
                               socket_path)
     client.setServiceParent(root)
+    if config.gate:
+        # The host looked at now and then, not only at a GPU container's
+        # creation: a missing lock parent is said (once) even on an idle node.
+        looker = TimerService(HOST_LOOK_INTERVAL, adjuster.look)
+        looker.clock = reactor
+        looker.setServiceParent(root)
     if options.get("metrics"):
         from hostpid.nri.health import health_site
 
         endpoint = getattr(options, "metricsEndpoint", None) or endpoints.serverFromString(
             reactor, options["metrics"])
-        HealthEndpointService(endpoint, health_site(client, metrics, reactor)).setServiceParent(
-            root)
+        site = health_site(client, metrics, reactor,
+                           host=adjuster.look if config.gate else None)
+        HealthEndpointService(endpoint, site).setServiceParent(root)
     return root

@@ -109,9 +109,10 @@ def expected_gpu_adjustment(lock_parent: Path, broker_dir: Path) -> dict[str, An
     return {
         "mounts": [
             {"destination": defaults.LOCK_PARENT, "type": "bind", "source": str(lock_parent),
-             "options": ["rbind", "rprivate", "rw"]},
+             "options": ["rbind", "rprivate", "rw", "nosuid", "nodev", "noexec"]},
             {"destination": defaults.CONTAINER_BROKER_DIRECTORY, "type": "bind",
-             "source": str(broker_dir), "options": ["rbind", "rprivate", "ro"]},
+             "source": str(broker_dir),
+             "options": ["rbind", "rprivate", "ro", "nosuid", "nodev", "noexec"]},
         ],
         "env": [{"key": GATE_ENV, "value": "1"}],
     }
