@@ -41,7 +41,8 @@ L{DEFAULT_TAG} to L{ROLL_FORWARD_TAG} changes the pod template's image and
 the image containerd runs.  Archives are cached by the hash of everything
 the build reads (the Containerfile, the files its C{COPY} lines name, the
 bases' keys) and the tag: a second call in a run, or in a later run on an
-unchanged tree, returns the same file at once.  Builds are serialized by a
+unchanged tree, returns the same file at once (other trees' archives are
+removed once six hours old).  Builds are serialized by a
 lock file, so parallel callers build once.
 """
 
@@ -413,7 +414,29 @@ def project_image(tag: str = DEFAULT_TAG) -> Path:
         podman.run("save", "--format", "docker-archive", "--output", str(partial),
                    built.reference, timeout=BUILD_TIMEOUT)
         partial.rename(archive)
+        _prune_archives(keep=archive.parent)
     return archive
+
+
+#: Archives of other trees older than this are removed when a new one is written.
+ARCHIVES_MAX_AGE = 6 * 3600.0
+
+
+def _prune_archives(keep: Path) -> None:
+    """
+    Remove the archives of other source trees not written for a while: one
+    tree's pair is about 0.4 GB, and every change to the tree makes a new
+    pair (podman's store keeps the layers, so a rebuild stays cheap).  A
+    recent one is kept: another run on another tree may be importing it.
+    """
+    now = time.time()
+    for directory in keep.parent.iterdir():
+        if directory == keep or not directory.is_dir():
+            continue
+        if now - directory.stat().st_mtime > ARCHIVES_MAX_AGE:
+            for path in directory.iterdir():
+                path.unlink()
+            directory.rmdir()
 
 
 def image_size(reference: str, podman: Podman | None = None) -> int:
