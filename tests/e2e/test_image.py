@@ -119,14 +119,17 @@ class RunningBroker:
         env = {item["name"]: item["value"] for item in container["env"]}
         env[GATE] = "1"  # kubectl set env: the broker enabled
         self.container = container
-        self.podman.run(
+        self.argv = [
             "run", "--detach", "--name", self.name, "--pid", "host", "--network", "none",
             *ULIMITS, *security_options(container["securityContext"]),
             *(option for mount in mounts for option in ("--volume", mount)),
             *(option for key, value in env.items() for option in ("--env", f"{key}={value}")),
             "--entrypoint", json.dumps(container["command"]),
             image, *container["args"],
-        )
+        ]
+
+    def start(self) -> None:
+        self.podman.run(*self.argv)
 
     @property
     def socket(self) -> Path:
@@ -158,6 +161,7 @@ class RunningBroker:
 def broker(podman: imagelib.Podman, image: str, tmp_path: Path) -> Iterator[RunningBroker]:
     running = RunningBroker(podman, image, tmp_path)
     try:
+        running.start()
         yield running
     finally:
         running.close()
