@@ -43,7 +43,19 @@ the build reads (the Containerfile, the files its C{COPY} lines name, the
 bases' keys) and the tag: a second call in a run, or in a later run on an
 unchanged tree, returns the same file at once (other trees' archives are
 removed once six hours old).  Builds are serialized by a
-lock file, so parallel callers build once.
+lock file, so parallel callers build once.  Root, podman and mmdebstrap are
+needed (missing: a skip naming it, a failure under
+C{HOSTPID_REQUIRE_PRIVILEGED=1}).  In use::
+
+    import imagelib
+    first = imagelib.project_image(imagelib.DEFAULT_TAG)       # REPOSITORY:0.1.0
+    second = imagelib.project_image(imagelib.ROLL_FORWARD_TAG)  # REPOSITORY:0.1.0-rollforward
+    containerd.ctr("images", "import", "--platform", "linux/amd64", str(first))
+    # helm: --set image.tag=0.1.0, then --set image.tag=0.1.0-rollforward
+
+Cost on this machine: cold (no cached base) about 2 minutes, most of it
+mmdebstrap; a changed tree about 25 s (pip fetches the dependencies again);
+an unchanged tree under a second to build plus about 3 s to save each tag.
 """
 
 from __future__ import annotations
