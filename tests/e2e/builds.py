@@ -100,7 +100,7 @@ CRIO = GoBuild(
     (("crio", "cmd/crio"), ("copyimg", "test/copyimg")),
     tags=("containers_image_openpgp", "containers_image_ostree_stub",
           "exclude_graphdriver_btrfs", "exclude_graphdriver_devicemapper", "seccomp"),
-    make=(("pinns", "pinns/pinns"),),
+    make=(("pinns", "bin/pinns"),),
 )
 
 BUILDS = {build.name: build for build in (RUNC, CONTAINERD, CRIO)}

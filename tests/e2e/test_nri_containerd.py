@@ -48,11 +48,12 @@ import kubeletlib
 import pytest
 from crilib import (
     IMAGE,
-    Containerd,
     Containerds,
     read_cri_log,
     wait_exited,
 )
+from crilib import Containerd
+from criolib import Crio
 from support import (
     TWISTD,
     BrokerProcess,
@@ -65,6 +66,9 @@ from test_runc import Node, private_node
 
 from hostpid import defaults
 from hostpid.gate import GATE_ENV
+
+#: A CRI runtime under test: containerd or CRI-O, the same interface.
+Runtime = Containerd | Crio
 
 pytestmark = pytest.mark.privileged
 
@@ -109,9 +113,20 @@ class GpuNode:
                              "permissions": "rw"}]}
 
 
-@pytest.fixture(scope="module", params=["1.7", "2.1"])
-def daemon(request: pytest.FixtureRequest, containerds: Containerds) -> Containerd:
-    return containerds.get(request.param)
+#: The runtimes the whole NRI set runs on (L{crilib.RUNTIMES} ids; select
+#: one with C{-k containerd24}).  The other OCI runtimes run the GPU pod
+#: only (L{OCI_CELLS}): what the plugin adjusts is the CRI runtime's, the
+#: OCI runtime only has to carry it out.
+NRI_CELLS = ["containerd17", "containerd21", "containerd24", "crio"]
+
+#: The same GPU pod with a newer OCI runtime under the same CRI runtimes:
+#: runc 1.5 under containerd 2.4 and under CRI-O (which otherwise runs crun).
+OCI_CELLS = ["runc15", "criorunc15"]
+
+
+@pytest.fixture(scope="module", params=NRI_CELLS)
+def daemon(request: pytest.FixtureRequest, containerds: Containerds) -> Runtime:
+    return containerds.runtime(request.param)
 
 
 @pytest.fixture
@@ -135,7 +150,7 @@ def gpu_node() -> Iterator[GpuNode]:
 class Plugin:
     """C{twistd hostpid-nri} on the daemon's NRI socket, for the node's paths."""
 
-    def __init__(self, daemon: Containerd, node: Node, log: Path) -> None:
+    def __init__(self, daemon: Runtime, node: Node, log: Path) -> None:
         assert daemon.nri_socket is not None
         self.argv = [*TWISTD, "--nodaemon", "--pidfile=", "hostpid-nri",
                      "--nri-socket", str(daemon.nri_socket),
@@ -165,7 +180,7 @@ class Plugin:
 class Kubelet:
     """The kubelet's CRI calls for one-container pods, on one containerd."""
 
-    def __init__(self, daemon: Containerd) -> None:
+    def __init__(self, daemon: Runtime) -> None:
         self.daemon = daemon
         self.cri = daemon.client
         self.pb = daemon.client.pb
@@ -346,12 +361,12 @@ def wait_running_pid(kubelet: Kubelet, container_id: str) -> int:
 
 
 @pytest.fixture
-def kubelet(daemon: Containerd) -> Kubelet:
+def kubelet(daemon: Runtime) -> Kubelet:
     return Kubelet(daemon)
 
 
 @pytest.fixture
-def plugin(daemon: Containerd, gpu_node: GpuNode, kubelet: Kubelet) -> Iterator[Plugin]:
+def plugin(daemon: Runtime, gpu_node: GpuNode, kubelet: Kubelet) -> Iterator[Plugin]:
     """The plugin, connected: a GPU container created after this is adjusted."""
     started = Plugin(daemon, gpu_node.node, daemon.workdir / f"plugin-{uuid.uuid4().hex[:6]}.log")
     try:
@@ -399,9 +414,21 @@ def test_gpu_pod_gets_its_host_pid_without_hostpath(kubelet: Kubelet, gpu_node: 
                                                     plugin: Plugin) -> None:
     """
     The restricted GPU pod: the plugin's mounts and gate, and the broker's
-    answer is the host PID containerd reports for the container's init
+    answer is the host PID the runtime reports for the container's init
     (PID 1 in its own namespace, UID 1000).
     """
+    assert_gpu_pod_gets_its_host_pid(kubelet, gpu_node, plugin)
+
+
+@pytest.mark.parametrize("daemon", OCI_CELLS, indirect=True)
+def test_gpu_pod_on_a_newer_oci_runtime(kubelet: Kubelet, gpu_node: GpuNode,
+                                        plugin: Plugin) -> None:
+    """The same GPU pod, with runc 1.5 as the OCI runtime (L{OCI_CELLS})."""
+    assert_gpu_pod_gets_its_host_pid(kubelet, gpu_node, plugin)
+
+
+def assert_gpu_pod_gets_its_host_pid(kubelet: Kubelet, gpu_node: GpuNode,
+                                     plugin: Plugin) -> None:
     run = run_pod(kubelet, "gpu restricted", restricted_pod("gpu"), [gpu_node.allocation()])
     assert run.adjustment == adjusted(gpu_node.node)
     assert run.exit_code == 0, (run.stdout, run.stderr, plugin.output())
@@ -466,7 +493,7 @@ def test_containers_are_created_with_the_plugin_stopped(kubelet: Kubelet, gpu_no
           f"{back:.2f}s after SIGCONT; plugin gone: created in {gone_seconds:.2f}s")
 
 
-def test_plugin_is_back_after_containerd_restarts(daemon: Containerd, kubelet: Kubelet,
+def test_plugin_is_back_after_containerd_restarts(daemon: Runtime, kubelet: Kubelet,
                                                   gpu_node: GpuNode, plugin: Plugin) -> None:
     daemon.restart()
     seconds = wait_adjusting(kubelet, gpu_node, plugin)
@@ -530,7 +557,7 @@ def unprepared_node() -> Iterator[GpuNode]:
 
 
 def test_gpu_pod_starts_when_the_lock_parent_is_missing(
-        daemon: Containerd, kubelet: Kubelet, unprepared_node: GpuNode) -> None:
+        daemon: Runtime, kubelet: Kubelet, unprepared_node: GpuNode) -> None:
     """
     The plugin never fails a container: a mount whose source does not exist
     fails the container's start (runc: C{error mounting ... stat ...: no
@@ -553,7 +580,7 @@ def test_gpu_pod_starts_when_the_lock_parent_is_missing(
     assert run.exit_code == 1 and run.stderr.startswith("hostpid_client: gate: "), run.stderr
 
 
-def plugin_registered(runtime: Containerd, plugin: Plugin) -> bool:
+def plugin_registered(runtime: Runtime, plugin: Plugin) -> bool:
     """containerd's log names the plugin as connected (NRI's adaptation logs it)."""
     if plugin.process.poll() is not None:
         raise AssertionError(plugin.output())
