@@ -206,7 +206,7 @@ def main(argv: Sequence[str]) -> int:
               f"{record.get('go')}; this run {time.monotonic() - started:.1f} s)", flush=True)
         for binary in record.get("binaries", []):  # type: ignore[union-attr]
             path = directory / "bin" / str(binary)
-            flag = "-v" if binary in ("pinns", "containerd-shim-runc-v2") else "--version"
+            flag = "-v" if binary == "containerd-shim-runc-v2" else "--version"
             shown = subprocess.run([str(path), flag], capture_output=True, text=True,
                                    check=False)
             first = (shown.stdout or shown.stderr).strip().splitlines()[:1]

@@ -165,6 +165,12 @@ class Crio:
             (workdir / sub).mkdir(parents=True, exist_ok=True)
         write_network(workdir / "cni")
         (workdir / "policy.json").write_text(json.dumps(POLICY))
+        # containers/storage and containers/image read these instead of
+        # /etc/containers' (CONTAINERS_STORAGE_CONF, CONTAINERS_REGISTRIES_CONF).
+        (workdir / "storage.conf").write_text(
+            f'[storage]\ndriver = "overlay"\ngraphroot = "{workdir / "storage"}"\n'
+            f'runroot = "{workdir / "run"}"\n')
+        (workdir / "registries.conf").write_text("unqualified-search-registries = []\n")
         (workdir / "crio.conf").write_text(
             config_toml(workdir, self.bin, oci, self.nri_socket, allowed_devices))
         self.log = open(workdir / "crio.log", "ab")  # noqa: SIM115 (closed in close())
@@ -190,7 +196,7 @@ class Crio:
 
     def argv(self) -> list[str]:
         return [str(self.bin / "crio"), "--config", str(self.workdir / "crio.conf"),
-                "--config-dir", str(self.workdir / "conf.d"), "--log-level", "info"]
+                "--config-dir", str(self.workdir / "conf.d"), "--log-level", os.environ.get("HOSTPID_CRIO_LOG_LEVEL", "info")]
 
     def _start(self) -> subprocess.Popen[bytes]:
         env = {"PATH": f"{self.bin}:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root",
