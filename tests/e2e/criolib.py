@@ -32,11 +32,13 @@ import os
 import signal
 import subprocess
 import tempfile
+import tomllib
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from crilib import (
     CALL_TIMEOUT,
@@ -51,17 +53,42 @@ from crilib import (
 )
 from support import require_tool, wait_for
 
-#: CRI-O's handler name for the default runtime here, and the one whose
-#: C{allowed_annotations} lets a pod's C{io.kubernetes.cri-o.Devices}
-#: through (L{Crio.ANNOTATED_HANDLER}; used only by the test that measures
-#: what that lets a pod do).
+#: CRI-O's handler name for the default runtime here.  Its
+#: C{allowed_annotations} are those of the handler CRI-O's own default
+#: configuration has (L{default_config}: C{crun}'s, which allow
+#: C{io.kubernetes.cri-o.Devices}), so the harness behaves as a stock CRI-O.
 HANDLER = "hostpid"
+
+#: A handler that allows no annotation (what an operator can configure;
+#: a pod picks it with its runtime class, RunPodSandbox's C{runtime_handler}).
+STRICT_HANDLER = "hostpid-strict"
+
+
+def default_config(build: Path) -> dict[str, Any]:
+    """
+    CRI-O's own default configuration: C{crio config --default} of the
+    built binary, with no configuration file or drop-in read, parsed.
+    """
+    result = subprocess.run(
+        [str(build / "bin" / "crio"), "--config", "", "--config-dir", "", "config",
+         "--default"], capture_output=True, timeout=CALL_TIMEOUT, check=False)
+    assert result.returncode == 0, result.stderr
+    parsed: dict[str, Any] = tomllib.loads(result.stdout.decode())
+    return parsed
+
+
+def default_handler(config: dict[str, Any]) -> dict[str, Any]:
+    """The default runtime handler's table in a parsed C{crio config}."""
+    runtime = config["crio"]["runtime"]
+    handler: dict[str, Any] = runtime["runtimes"][runtime["default_runtime"]]
+    return handler
 
 #: Accept every image: the only one is the test's own, copied in locally.
 POLICY = {"default": [{"type": "insecureAcceptAnything"}]}
 
 
 def config_toml(workdir: Path, bin_dir: Path, oci: str, nri_socket: Path | None,
+                allowed_annotations: list[str],
                 allowed_devices: tuple[str, ...] = ("/dev/fuse", "/dev/net/tun")) -> str:
     """
     CRI-O's configuration (the tables C{crio config} prints): every path it
@@ -121,9 +148,10 @@ drop_infra_ctr = true
 log_to_journald = false
 
 [crio.runtime.runtimes.{HANDLER}]
-{runtime_table}
-[crio.runtime.runtimes.{Crio.ANNOTATED_HANDLER}]
-{runtime_table}allowed_annotations = ["io.kubernetes.cri-o.Devices"]
+{runtime_table}allowed_annotations = {json.dumps(allowed_annotations)}
+
+[crio.runtime.runtimes.{STRICT_HANDLER}]
+{runtime_table}allowed_annotations = []
 
 [crio.image]
 signature_policy = "{workdir / 'policy.json'}"
@@ -144,9 +172,6 @@ enable_metrics = false
 
 class Crio:
     """One private CRI-O, started and torn down by the test (L{crilib.Containerd}'s interface)."""
-
-    #: The runtime handler that allows C{io.kubernetes.cri-o.Devices}.
-    ANNOTATED_HANDLER = "hostpid-devices"
 
     def __init__(self, workdir: Path, build: Path, image_tar: Path, messages: ModuleType,
                  oci: str, nri: bool = True,
@@ -171,8 +196,11 @@ class Crio:
             f'[storage]\ndriver = "overlay"\ngraphroot = "{workdir / "storage"}"\n'
             f'runroot = "{workdir / "run"}"\n')
         (workdir / "registries.conf").write_text("unqualified-search-registries = []\n")
-        (workdir / "crio.conf").write_text(
-            config_toml(workdir, self.bin, oci, self.nri_socket, allowed_devices))
+        #: CRI-O's own defaults (C{crio config --default}).
+        self.defaults = default_config(build)
+        (workdir / "crio.conf").write_text(config_toml(
+            workdir, self.bin, oci, self.nri_socket,
+            default_handler(self.defaults).get("allowed_annotations", []), allowed_devices))
         self.log = open(workdir / "crio.log", "ab")  # noqa: SIM115 (closed in close())
         self.client = CriClient(self.socket, messages)
         self.process: subprocess.Popen[bytes] | None = None
