@@ -150,12 +150,13 @@ def gpu_node() -> Iterator[GpuNode]:
 class Plugin:
     """C{twistd hostpid-nri} on the daemon's NRI socket, for the node's paths."""
 
-    def __init__(self, daemon: Runtime, node: Node, log: Path) -> None:
+    def __init__(self, daemon: Runtime, node: Node, log: Path,
+                 options: Sequence[str] = ()) -> None:
         assert daemon.nri_socket is not None
         self.argv = [*TWISTD, "--nodaemon", "--pidfile=", "hostpid-nri",
                      "--nri-socket", str(daemon.nri_socket),
                      "--lock-parent", str(node.lock_parent),
-                     "--broker-dir", str(node.broker_dir)]
+                     "--broker-dir", str(node.broker_dir), *options]
         self.log_path = log
         self.log = open(log, "ab")  # noqa: SIM115 (closed in stop())
         self.process = subprocess.Popen(
@@ -180,8 +181,10 @@ class Plugin:
 class Kubelet:
     """The kubelet's CRI calls for one-container pods, on one containerd."""
 
-    def __init__(self, daemon: Runtime) -> None:
+    def __init__(self, daemon: Runtime, userns_base: int | None = None) -> None:
         self.daemon = daemon
+        #: Run every pod with C{hostUsers: false}, its mapping from this host ID.
+        self.userns_base = userns_base
         self.cri = daemon.client
         self.pb = daemon.client.pb
         self.pods_root = daemon.workdir / "kubelet-pods"
@@ -192,6 +195,8 @@ class Kubelet:
             self.pb, pod, self.daemon.log_dir,
             f"{self.daemon.cgroup_parent}/pod{pod['metadata']['uid']}")
         Path(sandbox.log_directory).mkdir(mode=0o755, parents=True, exist_ok=True)
+        if self.userns_base is not None:
+            kubeletlib.apply_user_namespace(self.pb, sandbox, self.userns_base)
         sandbox_id = self.cri.runtime("RunPodSandbox", config=sandbox).pod_sandbox_id
         return sandbox_id, sandbox
 
@@ -216,6 +221,8 @@ class Kubelet:
         # The container's log directory: the kubelet makes it (kuberuntime_container.go
         # generateContainerConfig, MkdirAll(logDir)); CRI-O's conmon does not.
         (Path(sandbox.log_directory) / config.log_path).parent.mkdir(mode=0o755, exist_ok=True)
+        if self.userns_base is not None:
+            kubeletlib.apply_user_namespace(self.pb, config, self.userns_base)
         container_id = self.cri.runtime("CreateContainer", pod_sandbox_id=sandbox_id,
                                         config=config, sandbox_config=sandbox).container_id
         return container_id, config
