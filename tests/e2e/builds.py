@@ -206,11 +206,15 @@ def main(argv: Sequence[str]) -> int:
               f"{record.get('go')}; this run {time.monotonic() - started:.1f} s)", flush=True)
         for binary in record.get("binaries", []):  # type: ignore[union-attr]
             path = directory / "bin" / str(binary)
+            if binary == "pinns":
+                print(f"  {binary}: (C, from the same tree; it has no version flag)", flush=True)
+                continue
             flag = "-v" if binary == "containerd-shim-runc-v2" else "--version"
             shown = subprocess.run([str(path), flag], capture_output=True, text=True,
                                    check=False)
-            first = (shown.stdout or shown.stderr).strip().splitlines()[:1]
-            print(f"  {binary}: {first[0] if first else '?'}", flush=True)
+            lines = [line.strip() for line in (shown.stdout or shown.stderr).splitlines()]
+            versioned = [line for line in lines if any(c.isdigit() for c in line)]
+            print(f"  {binary}: {(versioned or lines or ['?'])[0]}", flush=True)
     return 0
 
 
