@@ -223,8 +223,10 @@ class Crio:
         assert result.returncode == 0, (result.stdout, result.stderr)
 
     def argv(self) -> list[str]:
+        """CRI-O's command line (C{HOSTPID_CRIO_LOG_LEVEL=debug} shows conmon's arguments)."""
         return [str(self.bin / "crio"), "--config", str(self.workdir / "crio.conf"),
-                "--config-dir", str(self.workdir / "conf.d"), "--log-level", os.environ.get("HOSTPID_CRIO_LOG_LEVEL", "info")]
+                "--config-dir", str(self.workdir / "conf.d"),
+                "--log-level", os.environ.get("HOSTPID_CRIO_LOG_LEVEL", "info")]
 
     def _start(self) -> subprocess.Popen[bytes]:
         env = {"PATH": f"{self.bin}:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root",

@@ -41,7 +41,6 @@ import attrs
 import jsonpatch
 import kubeletlib
 import pytest
-from criolib import Crio
 from crilib import (
     IMAGE,
     Containerd,
@@ -49,6 +48,7 @@ from crilib import (
     read_cri_log,
     wait_exited,
 )
+from criolib import Crio
 from support import (
     hostpid_argv,
     nspid,

@@ -36,10 +36,11 @@ from typing import Any
 
 import grpc
 import pytest
+import test_nri_containerd
 from crilib import RUNTIMES, Containerds, running_runtime
 from criolib import STRICT_HANDLER, Crio, default_config, default_handler, running_crio
 from support import running_broker
-from test_nri_containerd import (  # noqa: F401 (fixtures)
+from test_nri_containerd import (
     NOTHING,
     NVIDIA_MAJOR,
     Adjustment,
@@ -47,9 +48,6 @@ from test_nri_containerd import (  # noqa: F401 (fixtures)
     Kubelet,
     Plugin,
     adjusted,
-    gpu_node,
-    kubelet,
-    plugin,
     restricted_pod,
 )
 from test_runc import private_node
@@ -57,6 +55,11 @@ from test_runc import private_node
 from hostpid.nri.decision import NVIDIA_DEVICE_LIST_DIR
 
 pytestmark = pytest.mark.privileged
+
+#: test_nri_containerd's fixtures, shared.
+gpu_node = test_nri_containerd.gpu_node
+kubelet = test_nri_containerd.kubelet
+plugin = test_nri_containerd.plugin
 
 DEVICES_ANNOTATION = "io.kubernetes.cri-o.Devices"
 

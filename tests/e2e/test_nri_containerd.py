@@ -48,11 +48,11 @@ import kubeletlib
 import pytest
 from crilib import (
     IMAGE,
+    Containerd,
     Containerds,
     read_cri_log,
     wait_exited,
 )
-from crilib import Containerd
 from criolib import Crio
 from support import (
     TWISTD,

@@ -27,16 +27,16 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import test_nri_containerd
 from crilib import Containerds
 from kernelfeatures import kernel_feature
 from support import wait_for
-from test_nri_containerd import (  # noqa: F401 (fixtures)
+from test_nri_containerd import (
     Adjustment,
     GpuNode,
     Kubelet,
     Plugin,
     adjusted,
-    gpu_node,
     restricted_pod,
     run_pod,
 )
@@ -44,6 +44,9 @@ from test_nri_containerd import (  # noqa: F401 (fixtures)
 from hostpid.gate import GATE_ENV
 
 pytestmark = pytest.mark.privileged
+
+#: test_nri_containerd's fixtures, shared.
+gpu_node = test_nri_containerd.gpu_node
 
 #: The pod's mapping: host IDs 262144..327679 (a multiple of 65,536, as the
 #: kubelet allocates; other than the integration tests' 100000).
