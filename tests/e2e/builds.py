@@ -213,7 +213,7 @@ def main(argv: Sequence[str]) -> int:
             shown = subprocess.run([str(path), flag], capture_output=True, text=True,
                                    check=False)
             lines = [line.strip() for line in (shown.stdout or shown.stderr).splitlines()]
-            versioned = [line for line in lines if any(c.isdigit() for c in line)]
+            versioned = [line for line in lines if "version" in line.lower()]
             print(f"  {binary}: {(versioned or lines or ['?'])[0]}", flush=True)
     return 0
 

@@ -23,6 +23,10 @@ broker directory and lock parent:
 - the device plugin's: C{hostpid allocate}'s response (mounts, or
   C{cdiDevices} with C{--cdi}, or the annotation with C{--cdi-annotations}).
 
+The webhook's mounts and the CDI paths also run on containerd 2.4 (with runc
+1.1.5 and with runc 1.5.3) and on CRI-O 1.34 (L{CRI_CELLS}, test ids naming
+the runtime); the rest on containerd 1.7.
+
 Run with C{pytest -s} to see each pod's calls, host PIDs and times.
 """
 

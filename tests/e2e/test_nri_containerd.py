@@ -1,7 +1,9 @@
 """
-The NRI plugin with the real runtime: containerd (trixie's 1.7.24 with NRI
-enabled in its configuration, forky's 2.1.9 where NRI is on by default),
-driven over CRI as the kubelet drives it (L{kubeletlib}), with
+The NRI plugin with the real runtime: each CRI runtime of the matrix
+(L{crilib.RUNTIMES}: trixie's containerd 1.7.24 with NRI enabled in its
+configuration, forky's 2.1.9 and 2.4.2 built from its module where NRI is on
+by default, CRI-O 1.34.0 built from its module, NRI on by default), driven
+over CRI as the kubelet drives it (L{kubeletlib}), with
 C{twistd hostpid-nri} connected to containerd's (private) NRI socket and a
 real broker (C{twistd hostpid-broker}) on a private node.
 
@@ -15,7 +17,9 @@ CreateContainer request as the kubelet folds it.  (Namespace labels never
 reach the runtime: Pod Security is enforced by the API server on the pod
 spec, which is what L{assert_restricted} checks here.)
 
-Cases, on both containerds: the GPU pod gets the mounts and the gate from
+Cases, on each runtime of L{NRI_CELLS} (ids C{containerd17},
+C{containerd21}, C{containerd24}, C{crio}; C{-k crio} selects one), the GPU
+pod also with runc 1.5 under containerd 2.4 (C{runc15}): the GPU pod gets the mounts and the gate from
 the plugin and its own host PID from the broker; a non-GPU container, and
 a pod that writes the gate or C{NVIDIA_VISIBLE_DEVICES} into its own spec
 without an allocation, get nothing; with the plugin stopped (gone, or
