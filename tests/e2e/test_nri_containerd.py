@@ -20,12 +20,13 @@ spec, which is what L{assert_restricted} checks here.)
 Cases, on each runtime of L{NRI_CELLS} (ids C{containerd17},
 C{containerd21}, C{containerd24}, C{crio}; C{-k crio} selects one), the GPU
 pod also with runc 1.5 under containerd 2.4 (C{runc15}): the GPU pod gets
-the mounts and the gate from the plugin and its own host PID from the broker; a non-GPU container, and
-a pod that writes the gate or C{NVIDIA_VISIBLE_DEVICES} into its own spec
-without an allocation, get nothing; with the plugin stopped (gone, or
-hung past the runtime's 2 s request timeout) containers are still created;
-after containerd restarts the plugin is back and the next container is
-adjusted; 50 containers created at once are all adjusted.
+the mounts and the gate from the plugin and its own host PID from the
+broker; a non-GPU container, and a pod that writes the gate or
+C{NVIDIA_VISIBLE_DEVICES} into its own spec without an allocation, get
+nothing; with the plugin stopped (gone, or hung past the runtime's 2 s
+request timeout) containers are still created; after the runtime restarts
+the plugin is back and the next container is adjusted; 50 containers
+created at once are all adjusted.
 
 Run with C{pytest -s} to see each pod's facts and times.
 """
