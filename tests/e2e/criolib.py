@@ -213,9 +213,17 @@ class Crio:
             raise
 
     def _import(self, image_tar: Path) -> None:
-        """The test image into this CRI-O's storage, under L{IMAGE}."""
+        """
+        The test image into this CRI-O's storage, under L{IMAGE}.  containers/image
+        keeps a blob-info cache, for root in C{/var/lib/containers/cache}
+        (C{pkg/blobinfocache/default.go}), with no option in C{copyimg}: it
+        runs in a mount namespace of its own with a tmpfs over C{/var/lib},
+        so the host's is never written.
+        """
         result = subprocess.run(
-            [str(self.bin / "copyimg"), "--root", str(self.workdir / "storage"),
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+             'mount -t tmpfs hostpid-copyimg /var/lib && exec "$@"', "copyimg",
+             str(self.bin / "copyimg"), "--root", str(self.workdir / "storage"),
              "--runroot", str(self.workdir / "run"), "--storage-driver", "overlay",
              "--signature-policy", str(self.workdir / "policy.json"),
              "--image-name", IMAGE, "--import-from", f"oci-archive:{image_tar}"],
