@@ -685,10 +685,11 @@ def remove_cgroups(cgroup_parent: str) -> None:
 def running_containerd(image_tar: Path, messages: ModuleType,
                        package: Path | None = None, release: Release = RELEASES["1.7"],
                        nri: bool = False, runc: str | None = None) -> Iterator[Containerd]:
+    package = package or release.package()  # fetched or built before the directory is made
     workdir = Path(tempfile.mkdtemp(prefix="hostpid-cri-", dir="/tmp"))
     os.chmod(workdir, 0o711)
-    daemon = Containerd(workdir, package or release.package(), image_tar,
-                        messages, release.config_version, nri, runc)
+    daemon = Containerd(workdir, package, image_tar, messages, release.config_version, nri,
+                        runc)
     try:
         yield daemon
     finally:

@@ -305,9 +305,10 @@ class Crio:
 def running_crio(image_tar: Path, messages: ModuleType, oci: str, nri: bool = True,
                  allowed_devices: tuple[str, ...] = ("/dev/fuse", "/dev/net/tun")
                  ) -> Iterator[Crio]:
+    build = built("crio")  # before the directory: a build that fails leaves none behind
     workdir = Path(tempfile.mkdtemp(prefix="hostpid-crio-", dir="/tmp"))
     os.chmod(workdir, 0o711)
-    daemon = Crio(workdir, built("crio"), image_tar, messages, oci, nri, allowed_devices)
+    daemon = Crio(workdir, build, image_tar, messages, oci, nri, allowed_devices)
     try:
         yield daemon
     finally:
