@@ -308,7 +308,13 @@ def running_crio(image_tar: Path, messages: ModuleType, oci: str, nri: bool = Tr
     build = built("crio")  # before the directory: a build that fails leaves none behind
     workdir = Path(tempfile.mkdtemp(prefix="hostpid-crio-", dir="/tmp"))
     os.chmod(workdir, 0o711)
-    daemon = Crio(workdir, build, image_tar, messages, oci, nri, allowed_devices)
+    try:
+        daemon = Crio(workdir, build, image_tar, messages, oci, nri, allowed_devices)
+    except BaseException:
+        # Crio cleans up once it has started anything; before that, only the directory.
+        subprocess.run(["rm", "-rf", "--one-file-system", "--", str(workdir)], check=False,
+                       timeout=120)
+        raise
     try:
         yield daemon
     finally:
