@@ -103,7 +103,18 @@ FORGED = pod(annotations={"cdi.k8s.io/nvidia": "nvidia.com/gpu=all"},
              labels={"nvidia.com/gpu": "1"})
 
 
+def device_at(path: str, kind: str, major: int, minor: int) -> api_pb2.Container:
+    """A container with one device node: C{kind} C{major}:C{minor} at C{path}."""
+    message = container()
+    message.linux.devices.add(path=path, type=kind, major=major, minor=minor)
+    return message
+
+
 @pytest.mark.parametrize("ctr", [
+    # CRI-O's pod annotation io.kubernetes.cri-o.Devices: /dev/fuse:/dev/nvidia0 (its
+    # default runtime handler allows it): FUSE's 10:229 at a GPU's path.
+    pytest.param(device_at("/dev/nvidia0", "c", 10, 229), id="annotated-device-at-gpu-path"),
+    pytest.param(device_at("/dev/nvidia0", "b", 195, 0), id="block-device-at-gpu-path"),
     pytest.param(container(env=["NVIDIA_VISIBLE_DEVICES=all", "LIBVGPU_HOSTPID_BROKER=1",
                                 "CUDA_VISIBLE_DEVICES=0"]), id="env"),
     pytest.param(container(annotations={"cdi.k8s.io/x": "nvidia.com/gpu=0"}),

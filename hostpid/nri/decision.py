@@ -48,7 +48,15 @@ WHICH SIGNALS A POD SPEC CAN FORGE, and so which the decision trusts:
     Pod Security level C{privileged} (a C{privileged} container gets every
     host device: containerd's C{WithPrivilegedDevices}); a C{hostPath}
     volume of C{/dev/nvidia0} is a mount, not a device, and the device
-    cgroup refuses it.  TRUSTED.
+    cgroup refuses it.  TRUSTED, by its device number and not its path
+    alone: CRI-O's default runtime handler allows the pod annotation
+    C{io.kubernetes.cri-o.Devices}, which puts any device of its
+    C{allowed_devices} (C{/dev/fuse}, C{/dev/net/tun} by default) at any
+    container path under C{/dev} (C{internal/config/device/device_linux.go}
+    C{DevicesFromAnnotation} checks the host path only), so a restricted
+    pod can show NRI a C{/dev/nvidia0} that is FUSE's 10:229
+    (tests/e2e/test_crio.py).  The NVIDIA preset's device signal is a
+    character device of NVIDIA's major, 195.
   - C{CDI_devices}: only the kubelet sets them, from a device plugin's
     C{cdiDevices} or a DRA claim.  TRUSTED.
   - a mount whose source is C{/dev/null} at
@@ -144,6 +152,10 @@ BROKER_OPTIONS = ("rbind", "rprivate", "ro", "nosuid", "nodev", "noexec")
 
 NVIDIA_DEVICE_LIST_DIR = "/var/run/nvidia-container-devices"
 
+#: The major of NVIDIA's GPU device nodes, C{/dev/nvidia0}... (the driver's
+#: C{NV_MAJOR_DEVICE_NUMBER}; C{/proc/devices}: 195 nvidia-frontend).
+NVIDIA_MAJOR = 195
+
 
 #: Signals a pod spec cannot forge (the module docstring says why); there is
 #: deliberately no kind for environment variables or annotations.
@@ -164,6 +176,9 @@ class Signal:
 
     kind: str
     pattern: str
+    #: For C{"device"}: the character device major it must also have, or
+    #: C{None} to match the path alone (C{--resource device:...}).
+    major: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.kind not in SIGNAL_KINDS:
@@ -172,13 +187,14 @@ class Signal:
             re.compile(self.pattern[3:])
 
     def describe(self) -> str:
-        return f"{self.kind}:{self.pattern}"
+        suffix = f" (character major {self.major})" if self.major is not None else ""
+        return f"{self.kind}:{self.pattern}{suffix}"
 
 
 #: What C{--resource NAME} means for the resource names the plugin knows.
 PRESETS: Mapping[str, tuple[Signal, ...]] = {
     "nvidia.com/gpu": (
-        Signal("device", r"re:/dev/nvidia[0-9]+"),
+        Signal("device", r"re:/dev/nvidia[0-9]+", NVIDIA_MAJOR),
         Signal("cdi", "nvidia.com/gpu"),
         Signal("devnull-mount", NVIDIA_DEVICE_LIST_DIR),
     ),
@@ -305,13 +321,18 @@ def allocation_signal(container: api_pb2.Container, signals: Iterable[Signal]) -
 
     Each list is walked once per signal kind, with no cleaning of a path
     that cannot match (L{_could_name}): linear in the container, and a few
-    milliseconds at L{MAX_ENTRIES}.
+    milliseconds at L{MAX_ENTRIES}.  A device signal with a C{major} asks for
+    a character device of that major, not a path alone: CRI-O's allowed
+    C{io.kubernetes.cri-o.Devices} annotation lets a pod put an allowed
+    device (C{/dev/fuse} by default) at any path, C{/dev/nvidia0} too.
     """
     signals = tuple(signals)
     for signal in signals:
         if signal.kind == "device":
             for device in container.linux.devices:
                 path = device.path
+                if signal.major is not None and (device.type, device.major) != ("c", signal.major):
+                    continue
                 if len(path) <= PATH_MAX and _device_matches(signal.pattern, path):
                     return f"device {path}"
         elif signal.kind == "cdi":

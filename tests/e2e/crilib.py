@@ -41,10 +41,13 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 from support import require_tool, skip_or_fail, wait_for
+
+if TYPE_CHECKING:
+    from criolib import Crio
 
 PROTO = Path(__file__).resolve().parent / "cri" / "runtime_v1.proto"
 
@@ -67,14 +70,83 @@ class Release:
     name: str
     suite: str
     config_version: int
+    #: The L{builds.BUILDS} entry it is built from, for a release no Debian
+    #: suite ships (C{suite} is then empty).
+    build: str = ""
+
+    def package(self) -> Path:
+        """Where its binaries are: C{usr/bin} of the unpacked package, or C{bin} of the build."""
+        return built("containerd") if self.build else unpacked_containerd(self.suite)
 
 
 #: trixie's 1.7.24 (NRI off unless configured), and forky's 2.1.9 (NRI on by
-#: default; its binary needs glibc 2.34 and runs here beside bookworm's runc).
+#: default; its binary needs glibc 2.34 and runs here beside bookworm's runc);
+#: 2.4.2 built from its module (L{builds.CONTAINERD}), configuration version 3
+#: as 2.1's.
 RELEASES = {
     "1.7": Release("1.7", "trixie", 2),
     "2.1": Release("2.1", "forky", 3),
+    "2.4": Release("2.4", "", 3, build="containerd"),
 }
+
+
+def built(name: str) -> Path:
+    """
+    The cache directory of L{builds.BUILDS}C{[name]}, built now if it is not
+    there; skips (fails in CI) when it cannot be built here.
+    """
+    import builds
+
+    try:
+        return builds.obtain(builds.BUILDS[name])
+    except (RuntimeError, OSError, subprocess.SubprocessError) as error:
+        skip_or_fail(f"{name} could not be built: {error}")
+        raise AssertionError("unreachable") from error
+
+
+@attrs.frozen
+class Runtime:
+    """
+    One cell of the runtime matrix: a CRI runtime (C{daemon}: containerd at
+    one of L{RELEASES}, or CRI-O) and the OCI runtime it runs containers
+    with (C{oci}: Debian's C{runc}, the built C{runc15}, or Debian's
+    C{crun}).  C{id} is the test id that names it (C{pytest -k ID}).
+    """
+
+    id: str
+    daemon: str
+    release: str
+    oci: str
+
+    def oci_binary(self) -> str:
+        """The OCI runtime's executable."""
+        if self.oci == "runc15":
+            return str(built("runc") / "bin" / "runc")
+        return os.path.realpath(require_tool(self.oci))
+
+    def describe(self) -> str:
+        return f"{self.daemon} {self.release} with {self.oci}"
+
+
+#: The matrix.  Debian's runc is bookworm's 1.1.5 (no idmapped mounts);
+#: C{runc15} is runc 1.5.3 built from its module (L{builds.RUNC}); CRI-O
+#: 1.34.0 is built (L{builds.CRIO}) and runs with runc 1.5.3.  CRI-O with
+#: bookworm's crun 1.8.1 (C{criocrun}) creates no container: CRI-O 1.34
+#: writes runtime-spec 1.2.1, which crun 1.8.1 refuses ("unknown version
+#: specified"; trixie's crun 1.21 needs glibc 2.38), as
+#: C{test_crio.test_crio_with_bookworms_crun_creates_no_container} shows.
+RUNTIMES: dict[str, Runtime] = {r.id: r for r in (
+    Runtime("containerd17", "containerd", "1.7", "runc"),
+    Runtime("containerd21", "containerd", "2.1", "runc"),
+    Runtime("containerd24", "containerd", "2.4", "runc"),
+    Runtime("runc15", "containerd", "2.4", "runc15"),
+    Runtime("crio", "crio", "1.34", "runc15"),
+    Runtime("criocrun", "crio", "1.34", "crun"),
+)}
+
+#: The cell each containerd release line is when a test names the release
+#: only (L{Containerds.get}C{("2.1")}).
+RELEASE_CELLS = {"1.7": "containerd17", "2.1": "containerd21", "2.4": "containerd24"}
 
 #: The CRI plugin's containerd namespace.
 K8S_NAMESPACE = "k8s.io"
@@ -418,6 +490,17 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
 {nri}"""
 
 
+def write_network(cni: Path) -> None:
+    """L{NETWORK} and its plugin, with Debian's C{loopback}, under C{cni} (C{net.d}, C{bin})."""
+    for sub in ("bin", "net.d"):
+        (cni / sub).mkdir(parents=True, exist_ok=True)
+    (cni / "net.d" / "10-hostpid-e2e.conflist").write_text(json.dumps(NETWORK))
+    plugin = cni / "bin" / "hostpid-e2e-net"
+    plugin.write_text(NETWORK_PLUGIN)
+    plugin.chmod(0o755)
+    (cni / "bin" / "loopback").symlink_to(CNI_BIN / "loopback")
+
+
 def _mountpoints_under(directory: Path) -> list[str]:
     found = []
     with open("/proc/self/mountinfo") as mountinfo:
@@ -447,9 +530,11 @@ class Containerd:
     """One private containerd with its CRI plugin, started and torn down by the test."""
 
     def __init__(self, workdir: Path, package: Path, image_tar: Path,
-                 messages: ModuleType, config_version: int = 2, nri: bool = False) -> None:
+                 messages: ModuleType, config_version: int = 2, nri: bool = False,
+                 runc: str | None = None) -> None:
         self.workdir = workdir
-        self.bin = package / "usr" / "bin"
+        #: An unpacked Debian package's C{usr/bin}, or a build's C{bin}.
+        self.bin = package / "usr" / "bin" if (package / "usr").is_dir() else package / "bin"
         self.socket = workdir / "containerd.sock"
         #: The runtime's NRI socket (private to this run), when NRI is on.
         self.nri_socket = workdir / "nri" / "nri.sock" if nri else None
@@ -457,14 +542,11 @@ class Containerd:
         self.log_dir = workdir / "pods"
         #: The cgroup parent the test's pods get, one per run (removed at teardown).
         self.cgroup_parent = f"/hostpid-cri-e2e-{uuid.uuid4().hex[:8]}"
-        for sub in ("cdi", "pods", "cni/bin", "cni/net.d"):
+        for sub in ("cdi", "pods"):
             (workdir / sub).mkdir(parents=True, exist_ok=True)
-        (workdir / "cni" / "net.d" / "10-hostpid-e2e.conflist").write_text(json.dumps(NETWORK))
-        plugin = workdir / "cni" / "bin" / "hostpid-e2e-net"
-        plugin.write_text(NETWORK_PLUGIN)
-        plugin.chmod(0o755)
-        (workdir / "cni" / "bin" / "loopback").symlink_to(CNI_BIN / "loopback")
-        self.runc = os.path.realpath(require_tool("runc"))
+        write_network(workdir / "cni")
+        #: The OCI runtime containerd runs (the host's runc unless told).
+        self.runc = runc or os.path.realpath(require_tool("runc"))
         #: containerd's shims listen under C{/run/containerd/s} whatever the
         #: configuration says (runtime/v2/shim/util_unix.go C{socketRoot});
         #: what this run creates there is removed at teardown.
@@ -577,52 +659,87 @@ class Containerd:
                 pass
 
     def _remove_cgroups(self) -> None:
-        """The cgroup parent's directories (empty once the containers are gone), deepest first."""
-        root = Path("/sys/fs/cgroup")
-        for hierarchy in [root, *root.iterdir()] if root.is_dir() else []:
-            top = hierarchy / self.cgroup_parent.lstrip("/")
-            if not top.is_dir():
-                continue
-            for directory in sorted((p for p in top.rglob("*") if p.is_dir()),
-                                    key=lambda p: len(p.parts), reverse=True):
-                try:
-                    directory.rmdir()
-                except OSError:
-                    pass
+        remove_cgroups(self.cgroup_parent)
+
+
+def remove_cgroups(cgroup_parent: str) -> None:
+    """A cgroup parent's directories (empty once the containers are gone), deepest first."""
+    root = Path("/sys/fs/cgroup")
+    for hierarchy in [root, *root.iterdir()] if root.is_dir() else []:
+        top = hierarchy / cgroup_parent.lstrip("/")
+        if not top.is_dir():
+            continue
+        for directory in sorted((p for p in top.rglob("*") if p.is_dir()),
+                                key=lambda p: len(p.parts), reverse=True):
             try:
-                top.rmdir()
+                directory.rmdir()
             except OSError:
                 pass
+        try:
+            top.rmdir()
+        except OSError:
+            pass
 
 
 @contextmanager
 def running_containerd(image_tar: Path, messages: ModuleType,
                        package: Path | None = None, release: Release = RELEASES["1.7"],
-                       nri: bool = False) -> Iterator[Containerd]:
+                       nri: bool = False, runc: str | None = None) -> Iterator[Containerd]:
+    package = package or release.package()  # fetched or built before the directory is made
     workdir = Path(tempfile.mkdtemp(prefix="hostpid-cri-", dir="/tmp"))
     os.chmod(workdir, 0o711)
-    daemon = Containerd(workdir, package or unpacked_containerd(release.suite), image_tar,
-                        messages, release.config_version, nri)
+    daemon = Containerd(workdir, package, image_tar, messages, release.config_version, nri,
+                        runc)
     try:
         yield daemon
     finally:
         daemon.close()
 
 
+@contextmanager
+def running_runtime(runtime: Runtime, image_tar: Path, messages: ModuleType,
+                    nri: bool = True) -> Iterator[Containerd | Crio]:
+    """A private daemon for one cell of L{RUNTIMES}."""
+    if runtime.daemon == "crio":
+        from criolib import running_crio
+
+        with running_crio(image_tar, messages, runtime.oci_binary(), nri=nri) as crio:
+            yield crio
+        return
+    with running_containerd(image_tar, messages, release=RELEASES[runtime.release], nri=nri,
+                            runc=runtime.oci_binary()) as containerd:
+        yield containerd
+
+
 @attrs.define
 class Containerds:
-    """The session's containerds, started on first use, stopped at the session's end."""
+    """
+    The session's runtimes, each started on first use with NRI on, stopped at
+    the session's end.  C{get} takes a release line (C{"1.7"}, C{"2.1"},
+    C{"2.4"}: that release with Debian's runc) or a L{RUNTIMES} id.
+    """
 
     image: Path
     messages: ModuleType
     stack: ExitStack
-    started: dict[str, Containerd] = attrs.Factory(dict)
+    started: dict[str, Any] = attrs.Factory(dict)
 
     def get(self, release: str = "1.7") -> Containerd:
-        if release not in self.started:
-            self.started[release] = self.stack.enter_context(running_containerd(
-                self.image, self.messages, release=RELEASES[release], nri=True))
-        return self.started[release]
+        daemon = self.runtime(RELEASE_CELLS.get(release, release))
+        assert isinstance(daemon, Containerd), f"{release} is not a containerd"
+        return daemon
+
+    def runtime(self, cell: str) -> Containerd | Crio:
+        """The session's daemon for the L{RUNTIMES} cell C{cell}."""
+        if cell not in self.started:
+            self.started[cell] = self.stack.enter_context(running_runtime(
+                RUNTIMES[cell], self.image, self.messages))
+        daemon: Containerd | Crio = self.started[cell]
+        return daemon
+
+
+#: The same, named for what it holds now.
+Runtimes = Containerds
 
 
 def read_cri_log(path: Path) -> tuple[str, str]:

@@ -167,6 +167,37 @@ def _namespaces(pb: ModuleType, pod: Mapping[str, Any]) -> Any:
     )
 
 
+#: The size of a user-namespaced pod's mapping (the kubelet's
+#: C{userNsLength}, 65,536 IDs from a multiple of it).
+USERNS_SIZE = 65536
+
+
+def user_namespace(pb: ModuleType, host_base: int) -> Any:
+    """
+    The CRI C{UserNamespace} the kubelet sends for a C{hostUsers: false}
+    pod (C{pkg/kubelet/userns}: mode C{POD}, one mapping of
+    L{USERNS_SIZE} IDs from C{host_base}, the same for UIDs and GIDs).
+    """
+    assert host_base % USERNS_SIZE == 0 and host_base >= USERNS_SIZE, host_base
+    mapping = [pb.IDMapping(host_id=host_base, container_id=0, length=USERNS_SIZE)]
+    return pb.UserNamespace(mode=pb.POD, uids=mapping, gids=mapping)
+
+
+def apply_user_namespace(pb: ModuleType, config: Any, host_base: int) -> None:
+    """
+    What the kubelet adds to a sandbox or container config for a
+    C{hostUsers: false} pod: the user namespace in the namespace options
+    and, on a container, the pod's mapping on every CRI mount (which the
+    runtime makes an idmapped mount: C{applyPlatformSpecificContainerConfig}
+    in C{kuberuntime_container_linux.go}, docs/userns.md).
+    """
+    userns = user_namespace(pb, host_base)
+    config.linux.security_context.namespace_options.userns_options.CopyFrom(userns)
+    for mount in getattr(config, "mounts", ()):
+        mount.uidMappings.extend(userns.uids)
+        mount.gidMappings.extend(userns.gids)
+
+
 def sandbox_config(pb: ModuleType, pod: Mapping[str, Any], log_root: Path,
                    cgroup_parent: str, attempt: int = 0) -> Any:
     """C{generatePodSandboxConfig}."""

@@ -23,6 +23,10 @@ broker directory and lock parent:
 - the device plugin's: C{hostpid allocate}'s response (mounts, or
   C{cdiDevices} with C{--cdi}, or the annotation with C{--cdi-annotations}).
 
+The webhook's mounts and the CDI paths also run on containerd 2.4 (with runc
+1.1.5 and with runc 1.5.3) and on CRI-O 1.34 (L{CRI_CELLS}, test ids naming
+the runtime); the rest on containerd 1.7.
+
 Run with C{pytest -s} to see each pod's calls, host PIDs and times.
 """
 
@@ -48,6 +52,7 @@ from crilib import (
     read_cri_log,
     wait_exited,
 )
+from criolib import Crio
 from support import (
     hostpid_argv,
     nspid,
@@ -138,7 +143,7 @@ class PodRun:
 class Kubelet:
     """Runs pods through a containerd's CRI the way the kubelet's runtime manager does."""
 
-    def __init__(self, daemon: Containerd) -> None:
+    def __init__(self, daemon: Containerd | Crio) -> None:
         self.daemon = daemon
         self.cri = daemon.client
         self.pb = daemon.client.pb
@@ -167,6 +172,9 @@ class Kubelet:
                                              termination_log)
         # createPodSandbox (kuberuntime_sandbox.go) makes the pod's log directory first.
         Path(sandbox.log_directory).mkdir(mode=0o755, parents=True)
+        # And the container's (generateContainerConfig, MkdirAll(logDir)): CRI-O's
+        # conmon does not make it.
+        (Path(sandbox.log_directory) / config.log_path).parent.mkdir(mode=0o755)
         started = time.monotonic()
         # EnsureImageExists (kuberuntime_image.go): the image is present, no pull.
         assert self.cri.image("ImageStatus", image=pb.ImageSpec(image=IMAGE)).image.id
@@ -202,10 +210,20 @@ class Kubelet:
         return run
 
 
-@pytest.fixture(scope="module")
-def kubelet(containerds: Containerds) -> Kubelet:
-    """The session's containerd 1.7 (L{conftest}), shared with the NRI tests."""
-    return Kubelet(containerds.get("1.7"))
+#: The runtimes the broker's paths that differ between runtimes run on
+#: (the webhook's mounts, CDI from the kubelet's field and from a device
+#: plugin's annotation): L{crilib.RUNTIMES} ids, C{-k crio} selects one.
+#: The other cases run on containerd 1.7 only.
+CRI_CELLS = ["containerd17", "containerd24", "runc15", "crio"]
+
+#: Parametrize a test over L{CRI_CELLS}.
+over_runtimes = pytest.mark.parametrize("kubelet", CRI_CELLS, indirect=True)
+
+
+@pytest.fixture(scope="module", params=["containerd17"])
+def kubelet(request: pytest.FixtureRequest, containerds: Containerds) -> Kubelet:
+    """A session runtime (L{conftest}), shared with the NRI tests: containerd 1.7 unless told."""
+    return Kubelet(containerds.runtime(request.param))
 
 
 @pytest.fixture
@@ -328,6 +346,7 @@ def allocate_json(node: Node, gate: str, *flags: str) -> dict[str, Any]:
     return response
 
 
+@over_runtimes
 @pytest.mark.parametrize("client", ["c", "python"])
 def test_allocate_cdi_device_reaches_containerd(kubelet: Kubelet, node: Node,
                                                 client: str) -> None:
@@ -342,6 +361,7 @@ def test_allocate_cdi_device_reaches_containerd(kubelet: Kubelet, node: Node,
     assert_host_pid_answered(run)
 
 
+@over_runtimes
 def test_allocate_cdi_annotation_reaches_containerd(kubelet: Kubelet, node: Node) -> None:
     """
     C{hostpid allocate --cdi --cdi-annotations} as a kubelet before 1.29
@@ -396,6 +416,7 @@ def prepare_node(node: Node) -> None:
     allocate(node, "1")
 
 
+@over_runtimes
 @pytest.mark.parametrize("client", ["c", "python"])
 @pytest.mark.parametrize("mode", ["refused", "received"])
 def test_webhook_mounts_mode_reaches_the_broker(kubelet: Kubelet, node: Node,
@@ -408,6 +429,7 @@ def test_webhook_mounts_mode_reaches_the_broker(kubelet: Kubelet, node: Node,
     assert_host_pid_answered(run)
 
 
+@over_runtimes
 def test_webhook_cdi_annotation_stops_at_the_sandbox(kubelet: Kubelet, node: Node) -> None:
     """
     Mode C{cdi}: the pod annotation reaches the PodSandboxConfig and nothing

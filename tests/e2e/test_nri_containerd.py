@@ -1,7 +1,9 @@
 """
-The NRI plugin with the real runtime: containerd (trixie's 1.7.24 with NRI
-enabled in its configuration, forky's 2.1.9 where NRI is on by default),
-driven over CRI as the kubelet drives it (L{kubeletlib}), with
+The NRI plugin with the real runtime: each CRI runtime of the matrix
+(L{crilib.RUNTIMES}: trixie's containerd 1.7.24 with NRI enabled in its
+configuration, forky's 2.1.9 and 2.4.2 built from its module where NRI is on
+by default, CRI-O 1.34.0 built from its module, NRI on by default), driven
+over CRI as the kubelet drives it (L{kubeletlib}), with
 C{twistd hostpid-nri} connected to containerd's (private) NRI socket and a
 real broker (C{twistd hostpid-broker}) on a private node.
 
@@ -15,13 +17,16 @@ CreateContainer request as the kubelet folds it.  (Namespace labels never
 reach the runtime: Pod Security is enforced by the API server on the pod
 spec, which is what L{assert_restricted} checks here.)
 
-Cases, on both containerds: the GPU pod gets the mounts and the gate from
-the plugin and its own host PID from the broker; a non-GPU container, and
-a pod that writes the gate or C{NVIDIA_VISIBLE_DEVICES} into its own spec
-without an allocation, get nothing; with the plugin stopped (gone, or
-hung past the runtime's 2 s request timeout) containers are still created;
-after containerd restarts the plugin is back and the next container is
-adjusted; 50 containers created at once are all adjusted.
+Cases, on each runtime of L{NRI_CELLS} (ids C{containerd17},
+C{containerd21}, C{containerd24}, C{crio}; C{-k crio} selects one), the GPU
+pod also with runc 1.5 under containerd 2.4 (C{runc15}): the GPU pod gets
+the mounts and the gate from the plugin and its own host PID from the
+broker; a non-GPU container, and a pod that writes the gate or
+C{NVIDIA_VISIBLE_DEVICES} into its own spec without an allocation, get
+nothing; with the plugin stopped (gone, or hung past the runtime's 2 s
+request timeout) containers are still created; after the runtime restarts
+the plugin is back and the next container is adjusted; 50 containers
+created at once are all adjusted.
 
 Run with C{pytest -s} to see each pod's facts and times.
 """
@@ -53,6 +58,7 @@ from crilib import (
     read_cri_log,
     wait_exited,
 )
+from criolib import Crio
 from support import (
     TWISTD,
     BrokerProcess,
@@ -65,6 +71,9 @@ from test_runc import Node, private_node
 
 from hostpid import defaults
 from hostpid.gate import GATE_ENV
+
+#: A CRI runtime under test: containerd or CRI-O, the same interface.
+Runtime = Containerd | Crio
 
 pytestmark = pytest.mark.privileged
 
@@ -109,9 +118,20 @@ class GpuNode:
                              "permissions": "rw"}]}
 
 
-@pytest.fixture(scope="module", params=["1.7", "2.1"])
-def daemon(request: pytest.FixtureRequest, containerds: Containerds) -> Containerd:
-    return containerds.get(request.param)
+#: The runtimes the whole NRI set runs on (L{crilib.RUNTIMES} ids; select
+#: one with C{-k containerd24}).  The other OCI runtimes run the GPU pod
+#: only (L{OCI_CELLS}): what the plugin adjusts is the CRI runtime's, the
+#: OCI runtime only has to carry it out.
+NRI_CELLS = ["containerd17", "containerd21", "containerd24", "crio"]
+
+#: The same GPU pod with a newer OCI runtime: runc 1.5 under containerd 2.4
+#: (CRI-O runs it in L{NRI_CELLS} already).
+OCI_CELLS = ["runc15"]
+
+
+@pytest.fixture(scope="module", params=NRI_CELLS)
+def daemon(request: pytest.FixtureRequest, containerds: Containerds) -> Runtime:
+    return containerds.runtime(request.param)
 
 
 @pytest.fixture
@@ -135,12 +155,13 @@ def gpu_node() -> Iterator[GpuNode]:
 class Plugin:
     """C{twistd hostpid-nri} on the daemon's NRI socket, for the node's paths."""
 
-    def __init__(self, daemon: Containerd, node: Node, log: Path) -> None:
+    def __init__(self, daemon: Runtime, node: Node, log: Path,
+                 options: Sequence[str] = ()) -> None:
         assert daemon.nri_socket is not None
         self.argv = [*TWISTD, "--nodaemon", "--pidfile=", "hostpid-nri",
                      "--nri-socket", str(daemon.nri_socket),
                      "--lock-parent", str(node.lock_parent),
-                     "--broker-dir", str(node.broker_dir)]
+                     "--broker-dir", str(node.broker_dir), *options]
         self.log_path = log
         self.log = open(log, "ab")  # noqa: SIM115 (closed in stop())
         self.process = subprocess.Popen(
@@ -165,8 +186,10 @@ class Plugin:
 class Kubelet:
     """The kubelet's CRI calls for one-container pods, on one containerd."""
 
-    def __init__(self, daemon: Containerd) -> None:
+    def __init__(self, daemon: Runtime, userns_base: int | None = None) -> None:
         self.daemon = daemon
+        #: Run every pod with C{hostUsers: false}, its mapping from this host ID.
+        self.userns_base = userns_base
         self.cri = daemon.client
         self.pb = daemon.client.pb
         self.pods_root = daemon.workdir / "kubelet-pods"
@@ -177,6 +200,8 @@ class Kubelet:
             self.pb, pod, self.daemon.log_dir,
             f"{self.daemon.cgroup_parent}/pod{pod['metadata']['uid']}")
         Path(sandbox.log_directory).mkdir(mode=0o755, parents=True, exist_ok=True)
+        if self.userns_base is not None:
+            kubeletlib.apply_user_namespace(self.pb, sandbox, self.userns_base)
         sandbox_id = self.cri.runtime("RunPodSandbox", config=sandbox).pod_sandbox_id
         return sandbox_id, sandbox
 
@@ -198,6 +223,11 @@ class Kubelet:
         termination_log.touch()
         config = kubeletlib.container_config(self.pb, pod, container, options, IMAGE,
                                              termination_log)
+        # The container's log directory: the kubelet makes it (kuberuntime_container.go
+        # generateContainerConfig, MkdirAll(logDir)); CRI-O's conmon does not.
+        (Path(sandbox.log_directory) / config.log_path).parent.mkdir(mode=0o755, exist_ok=True)
+        if self.userns_base is not None:
+            kubeletlib.apply_user_namespace(self.pb, config, self.userns_base)
         container_id = self.cri.runtime("CreateContainer", pod_sandbox_id=sandbox_id,
                                         config=config, sandbox_config=sandbox).container_id
         return container_id, config
@@ -346,12 +376,12 @@ def wait_running_pid(kubelet: Kubelet, container_id: str) -> int:
 
 
 @pytest.fixture
-def kubelet(daemon: Containerd) -> Kubelet:
+def kubelet(daemon: Runtime) -> Kubelet:
     return Kubelet(daemon)
 
 
 @pytest.fixture
-def plugin(daemon: Containerd, gpu_node: GpuNode, kubelet: Kubelet) -> Iterator[Plugin]:
+def plugin(daemon: Runtime, gpu_node: GpuNode, kubelet: Kubelet) -> Iterator[Plugin]:
     """The plugin, connected: a GPU container created after this is adjusted."""
     started = Plugin(daemon, gpu_node.node, daemon.workdir / f"plugin-{uuid.uuid4().hex[:6]}.log")
     try:
@@ -399,9 +429,21 @@ def test_gpu_pod_gets_its_host_pid_without_hostpath(kubelet: Kubelet, gpu_node: 
                                                     plugin: Plugin) -> None:
     """
     The restricted GPU pod: the plugin's mounts and gate, and the broker's
-    answer is the host PID containerd reports for the container's init
+    answer is the host PID the runtime reports for the container's init
     (PID 1 in its own namespace, UID 1000).
     """
+    assert_gpu_pod_gets_its_host_pid(kubelet, gpu_node, plugin)
+
+
+@pytest.mark.parametrize("daemon", OCI_CELLS, indirect=True)
+def test_gpu_pod_on_a_newer_oci_runtime(kubelet: Kubelet, gpu_node: GpuNode,
+                                        plugin: Plugin) -> None:
+    """The same GPU pod, with runc 1.5 as the OCI runtime (L{OCI_CELLS})."""
+    assert_gpu_pod_gets_its_host_pid(kubelet, gpu_node, plugin)
+
+
+def assert_gpu_pod_gets_its_host_pid(kubelet: Kubelet, gpu_node: GpuNode,
+                                     plugin: Plugin) -> None:
     run = run_pod(kubelet, "gpu restricted", restricted_pod("gpu"), [gpu_node.allocation()])
     assert run.adjustment == adjusted(gpu_node.node)
     assert run.exit_code == 0, (run.stdout, run.stderr, plugin.output())
@@ -466,7 +508,7 @@ def test_containers_are_created_with_the_plugin_stopped(kubelet: Kubelet, gpu_no
           f"{back:.2f}s after SIGCONT; plugin gone: created in {gone_seconds:.2f}s")
 
 
-def test_plugin_is_back_after_containerd_restarts(daemon: Containerd, kubelet: Kubelet,
+def test_plugin_is_back_after_containerd_restarts(daemon: Runtime, kubelet: Kubelet,
                                                   gpu_node: GpuNode, plugin: Plugin) -> None:
     daemon.restart()
     seconds = wait_adjusting(kubelet, gpu_node, plugin)
@@ -530,7 +572,7 @@ def unprepared_node() -> Iterator[GpuNode]:
 
 
 def test_gpu_pod_starts_when_the_lock_parent_is_missing(
-        daemon: Containerd, kubelet: Kubelet, unprepared_node: GpuNode) -> None:
+        daemon: Runtime, kubelet: Kubelet, unprepared_node: GpuNode) -> None:
     """
     The plugin never fails a container: a mount whose source does not exist
     fails the container's start (runc: C{error mounting ... stat ...: no
@@ -553,7 +595,7 @@ def test_gpu_pod_starts_when_the_lock_parent_is_missing(
     assert run.exit_code == 1 and run.stderr.startswith("hostpid_client: gate: "), run.stderr
 
 
-def plugin_registered(runtime: Containerd, plugin: Plugin) -> bool:
+def plugin_registered(runtime: Runtime, plugin: Plugin) -> bool:
     """containerd's log names the plugin as connected (NRI's adaptation logs it)."""
     if plugin.process.poll() is not None:
         raise AssertionError(plugin.output())
