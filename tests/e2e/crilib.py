@@ -506,7 +506,15 @@ class Containerd:
         the same configuration and state; its shims, and so the running
         containers, outlive it as they do in production.
         """
+        self.stop()
+        self.start()
+
+    def stop(self) -> None:
+        """Stop containerd (SIGTERM); L{start} starts it again (a node start)."""
         self._stop()
+
+    def start(self) -> None:
+        """Start the stopped containerd; returns as soon as its CRI answers."""
         self.process = self._start()
         wait_for(self._answers, "containerd's CRI Version call after a restart", 60.0)
 

@@ -1,0 +1,397 @@
+"""
+The windows in which a GPU container could be created without the NRI
+plugin's adjustment, with the real runtime (containerd 1.7.24 with NRI 0.6.1,
+containerd 2.1.9 with NRI 0.8.0, as Debian builds them) and real plugin
+processes, under a stream of GPU container creations.
+
+A container created while no plugin is registered gets nothing for its whole
+life.  Three ways a node opens that window, and what closes each:
+
+  - **upgrade**: stopping the plugin, then starting the new one (the chart's
+    old C{maxSurge: 0} rollout) leaves the runtime without a plugin until the
+    new one has registered.  Starting the new one first, waiting for its
+    C{/readyz}, then stopping the old one (the chart's C{maxSurge: 1,
+    maxUnavailable: 0}; the documented systemd upgrade) leaves none: while
+    both are registered NRI calls both, in index order, and the later one is
+    shown the container as the earlier one adjusted it
+    (C{result.apply} in containerd/nri C{pkg/adaptation/result.go} updates
+    the request's container), so L{hostpid.nri.decision.decide} answers
+    C{unchanged}, an empty adjustment.  NRI fails a container only when two
+    plugins *set* the same mount destination or variable (C{claimMount},
+    C{claimEnv}: "plugins ... both tried to set ..."), never when one leaves
+    it alone.  NRI does not refuse a second plugin of the same name or index
+    (C{acceptPluginConnections}, C{sortPlugins}), so the chart's old and new
+    pods may both be C{90-hostpid}; the test runs both cases.
+  - **crash**: a plugin killed (SIGKILL) is dropped and, until it is back,
+    every container is created unadjusted.  With a second instance always
+    registered at another index (the chart's standby container, the systemd
+    standby unit), the other adjusts: within one CreateContainer NRI drops
+    the dead plugin (C{isFatalError}) and goes on to the next.
+  - **node start**: an external plugin (a DaemonSet pod, a systemd unit) can
+    connect only once the runtime listens, which is when it also serves CRI.
+    A plugin in the runtime's plugin directory (C{plugin_path}) is launched
+    and registered by C{Adaptation.Start} before the CRI service sets itself
+    initialized (containerd's C{criService.Run} calls C{c.nri.Register()}
+    first), so no container can be created before it.
+
+Each test prints its figures (C{pytest -s}): containers created during the
+window, unadjusted, failed, and the window's length in ms.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+from crilib import Containerd, Containerds, grpc_module
+from nrilib import NRIPluginProcess
+from support import REPO, wait_for
+from test_nri_containerd import (  # noqa: F401 (fixtures)
+    Adjustment,
+    GpuNode,
+    Kubelet,
+    adjusted,
+    gpu_node,
+    kubelet,
+    restricted_pod,
+)
+
+pytestmark = pytest.mark.privileged
+
+
+@pytest.fixture(scope="module", params=["1.7", "2.1"])
+def daemon(request: pytest.FixtureRequest, containerds: Containerds) -> Containerd:
+    return containerds.get(request.param)
+
+
+@attrs.frozen
+class Created:
+    """One CreateContainer of the stream: when, and what the container got."""
+
+    started: float
+    ended: float
+    adjustment: Adjustment | None
+    error: str = ""
+
+
+@attrs.frozen
+class Window:
+    """What the stream saw between two instants."""
+
+    created: int
+    unadjusted: int
+    failed: int
+    refused: int
+    ms: float
+
+    def __str__(self) -> str:
+        return (f"{self.created} created, {self.unadjusted} unadjusted, {self.failed} failed, "
+                f"{self.refused} refused before CRI served, unadjusted over {self.ms:.0f} ms")
+
+
+#: The CRI plugin's answer before it has finished starting (NRI's launched
+#: plugins included): the kubelet retries, and no container exists.
+NOT_INITIALIZED = "server is not initialized yet"
+
+
+class Stream:
+    """
+    GPU containers created one after another by L{WORKERS} threads, in one
+    sandbox, each inspected (its OCI spec) and removed, never started: the
+    kubelet's calls as fast as this machine makes them.
+    """
+
+    WORKERS = 2
+
+    def __init__(self, kubelet: Kubelet, gpu_node: GpuNode) -> None:
+        self.kubelet = kubelet
+        self.gpu_node = gpu_node
+        self.want = adjusted(gpu_node.node)
+        self.records: list[Created] = []
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.threads: list[threading.Thread] = []
+        self.pod = restricted_pod("stream")
+
+    def __enter__(self) -> Stream:
+        grpc = grpc_module()
+
+        def sandbox() -> tuple[str, Any] | None:
+            # At a node start CRI answers Version before it serves the rest.
+            try:
+                return self.kubelet.sandbox(self.pod)
+            except grpc.RpcError as e:
+                if NOT_INITIALIZED not in str(e.details()):
+                    raise
+                return None
+
+        made = wait_for(sandbox, "the stream's pod sandbox", 60.0)
+        assert isinstance(made, tuple)
+        self.sandbox_id, self.sandbox = made
+        self.served = time.monotonic()
+        for worker in range(self.WORKERS):
+            thread = threading.Thread(target=self._run, args=(worker,), daemon=True)
+            thread.start()
+            self.threads.append(thread)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopping.set()
+        for thread in self.threads:
+            thread.join(60)
+        self.kubelet.remove_sandbox(self.sandbox_id)
+
+    def _run(self, worker: int) -> None:
+        grpc = grpc_module()
+        count = 0
+        while not self.stopping.is_set():
+            count += 1
+            started = time.monotonic()
+            try:
+                container_id, _ = self.kubelet.create(
+                    self.pod, self.sandbox_id, self.sandbox, [self.gpu_node.allocation()],
+                    name=f"w{worker}-{count}-{uuid.uuid4().hex[:4]}")
+            except grpc.RpcError as e:
+                self._record(Created(started, time.monotonic(), None, str(e.details())))
+                continue
+            ended = time.monotonic()
+            try:
+                adjustment = Adjustment.of(self.kubelet.spec(container_id))
+            finally:
+                self.kubelet.cri.runtime("RemoveContainer", container_id=container_id)
+            self._record(Created(started, ended, adjustment))
+
+    def _record(self, created: Created) -> None:
+        with self.lock:
+            self.records.append(created)
+
+    def count(self) -> int:
+        with self.lock:
+            return len([r for r in self.records if r.adjustment is not None])
+
+    def wait_created(self, more: int, timeout: float = 60.0) -> None:
+        """Until C{more} containers more than now have been created."""
+        target = self.count() + more
+        wait_for(lambda: self.count() >= target, f"{more} more containers created", timeout)
+
+    def window(self, since: float, until: float) -> Window:
+        with self.lock:
+            records = [r for r in self.records if r.started >= since and r.ended <= until]
+        created = [r for r in records if r.adjustment is not None]
+        unadjusted = [r for r in created if r.adjustment != self.want]
+        refused = [r for r in records if NOT_INITIALIZED in r.error]
+        failed = [r for r in records if r.adjustment is None and r not in refused]
+        ms = ((max(r.ended for r in unadjusted) - min(r.started for r in unadjusted)) * 1000
+              if unadjusted else 0.0)
+        return Window(len(created), len(unadjusted), len(failed), len(refused), ms)
+
+    def errors(self) -> list[str]:
+        with self.lock:
+            return sorted({r.error for r in self.records if r.error})
+
+
+class Instance(NRIPluginProcess):
+    """One plugin process on the daemon's socket, at C{index}, its C{/readyz} on a Unix socket."""
+
+    def __init__(self, daemon: Containerd, gpu_node: GpuNode, index: str) -> None:
+        assert daemon.nri_socket is not None
+        self.index = index
+        metrics = daemon.workdir / f"nri-metrics-{index}-{uuid.uuid4().hex[:6]}.sock"
+        super().__init__(daemon.nri_socket, [
+            "--plugin-index", index,
+            "--lock-parent", str(gpu_node.node.lock_parent),
+            "--broker-dir", str(gpu_node.node.broker_dir)], metrics=metrics)
+
+
+@pytest.fixture
+def instances(daemon: Containerd, gpu_node: GpuNode) -> Iterator[list[Instance]]:
+    """Plugin processes a test starts (appended), killed at its end; none may have failed."""
+    started: list[Instance] = []
+    try:
+        yield started
+        for instance in started:
+            assert "Traceback" not in instance.output(), instance.output()
+    finally:
+        for instance in started:
+            instance.__exit__()
+
+
+def start(instances: list[Instance], daemon: Containerd, gpu_node: GpuNode,
+          index: str) -> Instance:
+    instance = Instance(daemon, gpu_node, index)
+    instances.append(instance)
+    return instance
+
+
+def adjusting(stream: Stream, instance: Instance) -> None:
+    """The instance is ready (C{/readyz}), and containers are being adjusted."""
+    instance.wait_registered()
+    since = time.monotonic()
+    stream.wait_created(4)
+    assert stream.window(since, time.monotonic()).unadjusted == 0, stream.records[-8:]
+
+
+# -- upgrade ------------------------------------------------------------------------------
+
+
+#: How the new instance's index relates to the old one's: the chart's surge
+#: rollout gives the new pod the old pod's values (both C{90-hostpid}); the
+#: systemd units run at 90 and 91.
+UPGRADES = {"same index": ("90", "90"), "other index": ("90", "91")}
+
+
+@pytest.mark.parametrize("indexes", list(UPGRADES.values()), ids=list(UPGRADES))
+def test_upgrade_started_first_leaves_no_container_unadjusted(
+        daemon: Containerd, kubelet: Kubelet, gpu_node: GpuNode, instances: list[Instance],
+        indexes: tuple[str, str]) -> None:
+    """
+    The new instance started, C{/readyz} waited for, then the old one
+    stopped (SIGTERM, as the kubelet and systemd stop it): under a stream of
+    GPU container creations, every container is adjusted and none fails
+    (two registered instances never both set a mount or the gate).
+    """
+    with Stream(kubelet, gpu_node) as stream:
+        old = start(instances, daemon, gpu_node, indexes[0])
+        adjusting(stream, old)
+        since = time.monotonic()
+        new = start(instances, daemon, gpu_node, indexes[1])
+        new.wait_registered()
+        stream.wait_created(4)  # both registered: each container passes both
+        assert old.stop() in (0, -signal.SIGTERM)
+        stream.wait_created(8)
+        window = stream.window(since, time.monotonic())
+    print(f"\n[nri-upgrade] {daemon.version.runtime_version} start new ({indexes[1]}), "
+          f"wait ready, stop old ({indexes[0]}): {window}")
+    assert (window.unadjusted, window.failed) == (0, 0), (window, stream.errors())
+    assert window.created >= 12
+
+
+def test_stop_then_start_leaves_containers_unadjusted(
+        daemon: Containerd, kubelet: Kubelet, gpu_node: GpuNode,
+        instances: list[Instance]) -> None:
+    """
+    The procedure the chart's C{maxSurge: 0} rollout followed, measured: the
+    old instance stopped, then the new one started; containers are created
+    unadjusted until the new one has registered.  (The figure the upgrade
+    above brings to 0.)
+    """
+    with Stream(kubelet, gpu_node) as stream:
+        old = start(instances, daemon, gpu_node, "90")
+        adjusting(stream, old)
+        since = time.monotonic()
+        assert old.stop() in (0, -signal.SIGTERM)
+        new = start(instances, daemon, gpu_node, "90")
+        adjusting(stream, new)
+        window = stream.window(since, time.monotonic())
+    print(f"\n[nri-upgrade] {daemon.version.runtime_version} stop old, start new: {window}")
+    assert window.failed == 0, stream.errors()
+    assert window.unadjusted > 0, window
+
+
+# -- crash --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("standby", [False, True], ids=["alone", "with a standby"])
+def test_a_killed_instance(daemon: Containerd, kubelet: Kubelet, gpu_node: GpuNode,
+                           instances: list[Instance], standby: bool) -> None:
+    """
+    SIGKILL of the instance at 90 under the stream, then a new one started
+    (the kubelet's or systemd's restart).  Alone, containers are created
+    unadjusted until it is back; with a standby registered at 91, none.
+    """
+    with Stream(kubelet, gpu_node) as stream:
+        first = start(instances, daemon, gpu_node, "90")
+        adjusting(stream, first)
+        if standby:
+            adjusting(stream, start(instances, daemon, gpu_node, "91"))
+        since = time.monotonic()
+        os.kill(first.pid, signal.SIGKILL)
+        first.process.wait(10)
+        stream.wait_created(6)
+        again = start(instances, daemon, gpu_node, "90")
+        adjusting(stream, again)
+        window = stream.window(since, time.monotonic())
+    print(f"\n[nri-crash] {daemon.version.runtime_version} SIGKILL "
+          f"{'with a standby' if standby else 'alone'}: {window}")
+    assert window.failed == 0, stream.errors()
+    if standby:
+        assert window.unadjusted == 0, window
+    else:
+        assert window.unadjusted >= 6, window
+
+
+# -- node start ---------------------------------------------------------------------------
+
+
+def launcher(daemon: Containerd, gpu_node: GpuNode, log: Path) -> str:
+    """
+    The shipped launcher with its settings for this node and this run: the
+    working tree's twistd (through a wrapper, as the launcher clears the
+    environment), the node's paths, a log file.
+    """
+    twistd = daemon.workdir / "nri" / "twistd"
+    twistd.write_text(f"#!/bin/sh\nPYTHONPATH={REPO} exec {sys.executable} "
+                      "-c 'from twisted.scripts.twistd import run; run()' \"$@\"\n")
+    twistd.chmod(0o755)
+    settings = {"TWISTD": str(twistd), "GATE": "1",
+                "LOCK_PARENT": str(gpu_node.node.lock_parent),
+                "BROKER_DIR": str(gpu_node.node.broker_dir), "LOG": str(log)}
+    lines = []
+    for line in (REPO / "deploy" / "nri" / "hostpid-nri-launcher").read_text().splitlines():
+        key = line.partition("=")[0]
+        lines.append(f"{key}={settings[key]}" if key in settings else line)
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("how", ["external", "launched"])
+def test_node_start(daemon: Containerd, kubelet: Kubelet, gpu_node: GpuNode,
+                    instances: list[Instance], tmp_path: Path, how: str) -> None:
+    """
+    containerd started with the stream waiting for its CRI (the kubelet at a
+    node start).  External: the plugin started at the same moment as
+    containerd (a DaemonSet pod, a systemd unit) connects when it can, and
+    the containers created before are unadjusted.  Launched: the shipped
+    launcher in containerd's plugin directory is started and registered
+    before CRI serves, and no container is created unadjusted.
+    """
+    plugins = daemon.workdir / "nri" / "plugins"
+    log = tmp_path / "launched.log"
+    daemon.stop()
+    try:
+        if how == "launched":
+            plugins.mkdir(parents=True, exist_ok=True)
+            installed = plugins / "92-hostpid"
+            installed.write_text(launcher(daemon, gpu_node, log))
+            installed.chmod(0o755)
+        started = time.monotonic()
+        daemon.process = daemon._start()
+        external = start(instances, daemon, gpu_node, "90") if how == "external" else None
+        wait_for(daemon._answers, "containerd's CRI Version call", 60.0)
+        served = time.monotonic()
+        with Stream(kubelet, gpu_node) as stream:
+            if external is not None:
+                external.wait_registered()
+            stream.wait_created(8)
+            window = stream.window(0.0, time.monotonic())
+    finally:
+        for path in plugins.glob("*-hostpid"):
+            path.unlink()
+    print(f"\n[nri-start] {daemon.version.runtime_version} {how}: CRI served "
+          f"{(served - started) * 1000:.0f} ms after start; {window}")
+    assert window.failed == 0
+    if how == "launched":
+        assert window.unadjusted == 0, window
+        assert "registered with the runtime as 92-hostpid" in log.read_text(), log.read_text()
+        daemon.restart()  # without the launcher: the launched plugin exits with its connection
+        wait_for(lambda: "exiting" in log.read_text(), "the launched plugin to exit", 30.0)
+    else:
+        assert window.unadjusted > 0, window
