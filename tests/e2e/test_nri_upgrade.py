@@ -275,6 +275,58 @@ def test_upgrade_started_first_leaves_no_container_unadjusted(
     assert window.created >= 12
 
 
+def test_chart_rollout_with_standby_containers(
+        daemon: Containerd, kubelet: Kubelet, gpu_node: GpuNode,
+        instances: list[Instance]) -> None:
+    """
+    The chart's surge rollout as the node sees it: the old pod's two
+    containers (90, 91) run, the new pod's two (90, 91 again) start and both
+    become ready, then the old pod's are stopped together.
+    """
+    with Stream(kubelet, gpu_node) as stream:
+        old = [start(instances, daemon, gpu_node, index) for index in ("90", "91")]
+        for instance in old:
+            adjusting(stream, instance)
+        since = time.monotonic()
+        new = [start(instances, daemon, gpu_node, index) for index in ("90", "91")]
+        for instance in new:
+            instance.wait_registered()
+        stream.wait_created(4)
+        for instance in old:
+            instance.process.terminate()
+        for instance in old:
+            assert instance.process.wait(30) in (0, -signal.SIGTERM)
+        stream.wait_created(8)
+        window = stream.window(since, time.monotonic())
+    print(f"\n[nri-upgrade] {daemon.version.runtime_version} chart rollout, old pod (90, 91) "
+          f"after the new pod (90, 91) is ready: {window}")
+    assert (window.unadjusted, window.failed) == (0, 0), (window, stream.errors())
+
+
+def test_systemd_upgrade_restarts_one_unit_at_a_time(
+        daemon: Containerd, kubelet: Kubelet, gpu_node: GpuNode,
+        instances: list[Instance]) -> None:
+    """
+    The documented systemd upgrade: hostpid-nri (90) and hostpid-nri-standby
+    (91) run; the standby is restarted (stopped, started) and waited for
+    (C{/readyz}), then the main unit the same way.
+    """
+    with Stream(kubelet, gpu_node) as stream:
+        running = {index: start(instances, daemon, gpu_node, index) for index in ("90", "91")}
+        for instance in running.values():
+            adjusting(stream, instance)
+        since = time.monotonic()
+        for index in ("91", "90"):
+            assert running[index].stop() in (0, -signal.SIGTERM)
+            running[index] = start(instances, daemon, gpu_node, index)
+            running[index].wait_registered()
+            stream.wait_created(4)
+        window = stream.window(since, time.monotonic())
+    print(f"\n[nri-upgrade] {daemon.version.runtime_version} systemd units restarted one at a "
+          f"time: {window}")
+    assert (window.unadjusted, window.failed) == (0, 0), (window, stream.errors())
+
+
 def test_stop_then_start_leaves_containers_unadjusted(
         daemon: Containerd, kubelet: Kubelet, gpu_node: GpuNode,
         instances: list[Instance]) -> None:
