@@ -84,8 +84,9 @@ class LaunchedConnectionService(Service):
         try:
             if inherited.family != socket.AF_UNIX or inherited.type != socket.SOCK_STREAM:
                 raise ValueError(f"descriptor {self.fd} is not a Unix stream socket")
+            # Typed for a server's factory; it only calls buildProtocol.
             self.reactor.adoptStreamConnection(inherited.fileno(), socket.AF_UNIX,
-                                               self.pluginFactory)
+                                               self.pluginFactory)  # type: ignore[arg-type]
         finally:
             inherited.close()
 

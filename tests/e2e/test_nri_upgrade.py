@@ -55,13 +55,12 @@ import pytest
 from crilib import Containerd, Containerds, grpc_module
 from nrilib import NRIPluginProcess
 from support import REPO, wait_for
-from test_nri_containerd import (  # noqa: F401 (fixtures)
+from test_nri_containerd import (  # noqa: F401 (gpu_node: a fixture)
     Adjustment,
     GpuNode,
     Kubelet,
     adjusted,
     gpu_node,
-    kubelet,
     restricted_pod,
 )
 
@@ -71,6 +70,18 @@ pytestmark = pytest.mark.privileged
 @pytest.fixture(scope="module", params=["1.7", "2.1"])
 def daemon(request: pytest.FixtureRequest, containerds: Containerds) -> Containerd:
     return containerds.get(request.param)
+
+
+@pytest.fixture
+def gpu(gpu_node: GpuNode) -> GpuNode:  # noqa: F811 (test_nri_containerd's, imported)
+    """The private node with its broker and fake GPU (L{test_nri_containerd.gpu_node})."""
+    return gpu_node
+
+
+@pytest.fixture
+def cri(daemon: Containerd) -> Kubelet:
+    """The kubelet's CRI calls on the daemon."""
+    return Kubelet(daemon)
 
 
 @attrs.frozen
@@ -99,7 +110,7 @@ class Window:
 
 
 #: The CRI plugin's answer before it has finished starting (NRI's launched
-#: plugins included): the kubelet retries, and no container exists.
+#: plugins included): the cri retries, and no container exists.
 NOT_INITIALIZED = "server is not initialized yet"
 
 
@@ -107,15 +118,15 @@ class Stream:
     """
     GPU containers created one after another by L{WORKERS} threads, in one
     sandbox, each inspected (its OCI spec) and removed, never started: the
-    kubelet's calls as fast as this machine makes them.
+    cri's calls as fast as this machine makes them.
     """
 
     WORKERS = 2
 
-    def __init__(self, kubelet: Kubelet, gpu_node: GpuNode) -> None:
-        self.kubelet = kubelet
-        self.gpu_node = gpu_node
-        self.want = adjusted(gpu_node.node)
+    def __init__(self, cri: Kubelet, gpu: GpuNode) -> None:
+        self.cri = cri
+        self.gpu = gpu
+        self.want = adjusted(gpu.node)
         self.records: list[Created] = []
         self.lock = threading.Lock()
         self.stopping = threading.Event()
@@ -128,7 +139,7 @@ class Stream:
         def sandbox() -> tuple[str, Any] | None:
             # At a node start CRI answers Version before it serves the rest.
             try:
-                return self.kubelet.sandbox(self.pod)
+                return self.cri.sandbox(self.pod)
             except grpc.RpcError as e:
                 if NOT_INITIALIZED not in str(e.details()):
                     raise
@@ -148,7 +159,7 @@ class Stream:
         self.stopping.set()
         for thread in self.threads:
             thread.join(60)
-        self.kubelet.remove_sandbox(self.sandbox_id)
+        self.cri.remove_sandbox(self.sandbox_id)
 
     def _run(self, worker: int) -> None:
         grpc = grpc_module()
@@ -157,17 +168,17 @@ class Stream:
             count += 1
             started = time.monotonic()
             try:
-                container_id, _ = self.kubelet.create(
-                    self.pod, self.sandbox_id, self.sandbox, [self.gpu_node.allocation()],
+                container_id, _ = self.cri.create(
+                    self.pod, self.sandbox_id, self.sandbox, [self.gpu.allocation()],
                     name=f"w{worker}-{count}-{uuid.uuid4().hex[:4]}")
             except grpc.RpcError as e:
                 self._record(Created(started, time.monotonic(), None, str(e.details())))
                 continue
             ended = time.monotonic()
             try:
-                adjustment = Adjustment.of(self.kubelet.spec(container_id))
+                adjustment = Adjustment.of(self.cri.spec(container_id))
             finally:
-                self.kubelet.cri.runtime("RemoveContainer", container_id=container_id)
+                self.cri.cri.runtime("RemoveContainer", container_id=container_id)
             self._record(Created(started, ended, adjustment))
 
     def _record(self, created: Created) -> None:
@@ -202,18 +213,18 @@ class Stream:
 class Instance(NRIPluginProcess):
     """One plugin process on the daemon's socket, at C{index}, its C{/readyz} on a Unix socket."""
 
-    def __init__(self, daemon: Containerd, gpu_node: GpuNode, index: str) -> None:
+    def __init__(self, daemon: Containerd, gpu: GpuNode, index: str) -> None:
         assert daemon.nri_socket is not None
         self.index = index
         metrics = daemon.workdir / f"nri-metrics-{index}-{uuid.uuid4().hex[:6]}.sock"
         super().__init__(daemon.nri_socket, [
             "--plugin-index", index,
-            "--lock-parent", str(gpu_node.node.lock_parent),
-            "--broker-dir", str(gpu_node.node.broker_dir)], metrics=metrics)
+            "--lock-parent", str(gpu.node.lock_parent),
+            "--broker-dir", str(gpu.node.broker_dir)], metrics=metrics)
 
 
 @pytest.fixture
-def instances(daemon: Containerd, gpu_node: GpuNode) -> Iterator[list[Instance]]:
+def instances(daemon: Containerd, gpu: GpuNode) -> Iterator[list[Instance]]:
     """Plugin processes a test starts (appended), killed at its end; none may have failed."""
     started: list[Instance] = []
     try:
@@ -225,9 +236,9 @@ def instances(daemon: Containerd, gpu_node: GpuNode) -> Iterator[list[Instance]]
             instance.__exit__()
 
 
-def start(instances: list[Instance], daemon: Containerd, gpu_node: GpuNode,
+def start(instances: list[Instance], daemon: Containerd, gpu: GpuNode,
           index: str) -> Instance:
-    instance = Instance(daemon, gpu_node, index)
+    instance = Instance(daemon, gpu, index)
     instances.append(instance)
     return instance
 
@@ -251,19 +262,19 @@ UPGRADES = {"same index": ("90", "90"), "other index": ("90", "91")}
 
 @pytest.mark.parametrize("indexes", list(UPGRADES.values()), ids=list(UPGRADES))
 def test_upgrade_started_first_leaves_no_container_unadjusted(
-        daemon: Containerd, kubelet: Kubelet, gpu_node: GpuNode, instances: list[Instance],
+        daemon: Containerd, cri: Kubelet, gpu: GpuNode, instances: list[Instance],
         indexes: tuple[str, str]) -> None:
     """
     The new instance started, C{/readyz} waited for, then the old one
-    stopped (SIGTERM, as the kubelet and systemd stop it): under a stream of
+    stopped (SIGTERM, as the cri and systemd stop it): under a stream of
     GPU container creations, every container is adjusted and none fails
     (two registered instances never both set a mount or the gate).
     """
-    with Stream(kubelet, gpu_node) as stream:
-        old = start(instances, daemon, gpu_node, indexes[0])
+    with Stream(cri, gpu) as stream:
+        old = start(instances, daemon, gpu, indexes[0])
         adjusting(stream, old)
         since = time.monotonic()
-        new = start(instances, daemon, gpu_node, indexes[1])
+        new = start(instances, daemon, gpu, indexes[1])
         new.wait_registered()
         stream.wait_created(4)  # both registered: each container passes both
         assert old.stop() in (0, -signal.SIGTERM)
@@ -276,19 +287,19 @@ def test_upgrade_started_first_leaves_no_container_unadjusted(
 
 
 def test_chart_rollout_with_standby_containers(
-        daemon: Containerd, kubelet: Kubelet, gpu_node: GpuNode,
+        daemon: Containerd, cri: Kubelet, gpu: GpuNode,
         instances: list[Instance]) -> None:
     """
     The chart's surge rollout as the node sees it: the old pod's two
     containers (90, 91) run, the new pod's two (90, 91 again) start and both
     become ready, then the old pod's are stopped together.
     """
-    with Stream(kubelet, gpu_node) as stream:
-        old = [start(instances, daemon, gpu_node, index) for index in ("90", "91")]
+    with Stream(cri, gpu) as stream:
+        old = [start(instances, daemon, gpu, index) for index in ("90", "91")]
         for instance in old:
             adjusting(stream, instance)
         since = time.monotonic()
-        new = [start(instances, daemon, gpu_node, index) for index in ("90", "91")]
+        new = [start(instances, daemon, gpu, index) for index in ("90", "91")]
         for instance in new:
             instance.wait_registered()
         stream.wait_created(4)
@@ -304,21 +315,21 @@ def test_chart_rollout_with_standby_containers(
 
 
 def test_systemd_upgrade_restarts_one_unit_at_a_time(
-        daemon: Containerd, kubelet: Kubelet, gpu_node: GpuNode,
+        daemon: Containerd, cri: Kubelet, gpu: GpuNode,
         instances: list[Instance]) -> None:
     """
     The documented systemd upgrade: hostpid-nri (90) and hostpid-nri-standby
     (91) run; the standby is restarted (stopped, started) and waited for
     (C{/readyz}), then the main unit the same way.
     """
-    with Stream(kubelet, gpu_node) as stream:
-        running = {index: start(instances, daemon, gpu_node, index) for index in ("90", "91")}
+    with Stream(cri, gpu) as stream:
+        running = {index: start(instances, daemon, gpu, index) for index in ("90", "91")}
         for instance in running.values():
             adjusting(stream, instance)
         since = time.monotonic()
         for index in ("91", "90"):
             assert running[index].stop() in (0, -signal.SIGTERM)
-            running[index] = start(instances, daemon, gpu_node, index)
+            running[index] = start(instances, daemon, gpu, index)
             running[index].wait_registered()
             stream.wait_created(4)
         window = stream.window(since, time.monotonic())
@@ -328,7 +339,7 @@ def test_systemd_upgrade_restarts_one_unit_at_a_time(
 
 
 def test_stop_then_start_leaves_containers_unadjusted(
-        daemon: Containerd, kubelet: Kubelet, gpu_node: GpuNode,
+        daemon: Containerd, cri: Kubelet, gpu: GpuNode,
         instances: list[Instance]) -> None:
     """
     The procedure the chart's C{maxSurge: 0} rollout followed, measured: the
@@ -336,12 +347,12 @@ def test_stop_then_start_leaves_containers_unadjusted(
     unadjusted until the new one has registered.  (The figure the upgrade
     above brings to 0.)
     """
-    with Stream(kubelet, gpu_node) as stream:
-        old = start(instances, daemon, gpu_node, "90")
+    with Stream(cri, gpu) as stream:
+        old = start(instances, daemon, gpu, "90")
         adjusting(stream, old)
         since = time.monotonic()
         assert old.stop() in (0, -signal.SIGTERM)
-        new = start(instances, daemon, gpu_node, "90")
+        new = start(instances, daemon, gpu, "90")
         adjusting(stream, new)
         window = stream.window(since, time.monotonic())
     print(f"\n[nri-upgrade] {daemon.version.runtime_version} stop old, start new: {window}")
@@ -353,23 +364,23 @@ def test_stop_then_start_leaves_containers_unadjusted(
 
 
 @pytest.mark.parametrize("standby", [False, True], ids=["alone", "with a standby"])
-def test_a_killed_instance(daemon: Containerd, kubelet: Kubelet, gpu_node: GpuNode,
+def test_a_killed_instance(daemon: Containerd, cri: Kubelet, gpu: GpuNode,
                            instances: list[Instance], standby: bool) -> None:
     """
     SIGKILL of the instance at 90 under the stream, then a new one started
-    (the kubelet's or systemd's restart).  Alone, containers are created
+    (the cri's or systemd's restart).  Alone, containers are created
     unadjusted until it is back; with a standby registered at 91, none.
     """
-    with Stream(kubelet, gpu_node) as stream:
-        first = start(instances, daemon, gpu_node, "90")
+    with Stream(cri, gpu) as stream:
+        first = start(instances, daemon, gpu, "90")
         adjusting(stream, first)
         if standby:
-            adjusting(stream, start(instances, daemon, gpu_node, "91"))
+            adjusting(stream, start(instances, daemon, gpu, "91"))
         since = time.monotonic()
         os.kill(first.pid, signal.SIGKILL)
         first.process.wait(10)
         stream.wait_created(6)
-        again = start(instances, daemon, gpu_node, "90")
+        again = start(instances, daemon, gpu, "90")
         adjusting(stream, again)
         window = stream.window(since, time.monotonic())
     print(f"\n[nri-crash] {daemon.version.runtime_version} SIGKILL "
@@ -384,7 +395,7 @@ def test_a_killed_instance(daemon: Containerd, kubelet: Kubelet, gpu_node: GpuNo
 # -- node start ---------------------------------------------------------------------------
 
 
-def launcher(daemon: Containerd, gpu_node: GpuNode, log: Path) -> str:
+def launcher(daemon: Containerd, gpu: GpuNode, log: Path) -> str:
     """
     The shipped launcher with its settings for this node and this run: the
     working tree's twistd (through a wrapper, as the launcher clears the
@@ -395,8 +406,8 @@ def launcher(daemon: Containerd, gpu_node: GpuNode, log: Path) -> str:
                       "-c 'from twisted.scripts.twistd import run; run()' \"$@\"\n")
     twistd.chmod(0o755)
     settings = {"TWISTD": str(twistd), "GATE": "1",
-                "LOCK_PARENT": str(gpu_node.node.lock_parent),
-                "BROKER_DIR": str(gpu_node.node.broker_dir), "LOG": str(log)}
+                "LOCK_PARENT": str(gpu.node.lock_parent),
+                "BROKER_DIR": str(gpu.node.broker_dir), "LOG": str(log)}
     lines = []
     for line in (REPO / "deploy" / "nri" / "hostpid-nri-launcher").read_text().splitlines():
         key = line.partition("=")[0]
@@ -405,10 +416,10 @@ def launcher(daemon: Containerd, gpu_node: GpuNode, log: Path) -> str:
 
 
 @pytest.mark.parametrize("how", ["external", "launched"])
-def test_node_start(daemon: Containerd, kubelet: Kubelet, gpu_node: GpuNode,
+def test_node_start(daemon: Containerd, cri: Kubelet, gpu: GpuNode,
                     instances: list[Instance], tmp_path: Path, how: str) -> None:
     """
-    containerd started with the stream waiting for its CRI (the kubelet at a
+    containerd started with the stream waiting for its CRI (the cri at a
     node start).  External: the plugin started at the same moment as
     containerd (a systemd unit; a DaemonSet pod starts later, through CRI)
     connects once the runtime listens, which is when CRI serves, and the
@@ -423,15 +434,15 @@ def test_node_start(daemon: Containerd, kubelet: Kubelet, gpu_node: GpuNode,
         if how == "launched":
             plugins.mkdir(parents=True, exist_ok=True)
             installed = plugins / "92-hostpid"
-            installed.write_text(launcher(daemon, gpu_node, log))
+            installed.write_text(launcher(daemon, gpu, log))
             installed.chmod(0o755)
         started = time.monotonic()
         daemon.process = daemon._start()
-        external = start(instances, daemon, gpu_node, "90") if how == "external" else None
+        external = start(instances, daemon, gpu, "90") if how == "external" else None
         wait_for(daemon._answers, "containerd's CRI Version call", 60.0)
         served = time.monotonic()
         registered = served
-        with Stream(kubelet, gpu_node) as stream:
+        with Stream(cri, gpu) as stream:
             if external is not None:
                 external.wait_registered()
                 registered = time.monotonic()
@@ -458,7 +469,7 @@ def test_node_start(daemon: Containerd, kubelet: Kubelet, gpu_node: GpuNode,
 
 
 def test_a_launched_plugin_that_does_not_register(
-        daemon: Containerd, kubelet: Kubelet, gpu_node: GpuNode, tmp_path: Path) -> None:
+        daemon: Containerd, cri: Kubelet, gpu: GpuNode, tmp_path: Path) -> None:
     """
     What a broken launcher costs (the launcher's twistd missing): NRI 0.6
     (containerd 1.7) makes the CRI service's start fail, and containerd
@@ -468,7 +479,7 @@ def test_a_launched_plugin_that_does_not_register(
     """
     plugins = daemon.workdir / "nri" / "plugins"
     plugins.mkdir(parents=True, exist_ok=True)
-    broken = launcher(daemon, gpu_node, tmp_path / "launched.log").replace(
+    broken = launcher(daemon, gpu, tmp_path / "launched.log").replace(
         f"TWISTD={daemon.workdir / 'nri' / 'twistd'}", f"TWISTD={tmp_path / 'missing'}")
     installed = plugins / "92-hostpid"
     daemon.stop()
