@@ -110,7 +110,7 @@ class Window:
 
 
 #: The CRI plugin's answer before it has finished starting (NRI's launched
-#: plugins included): the cri retries, and no container exists.
+#: plugins included): the kubelet retries, and no container exists.
 NOT_INITIALIZED = "server is not initialized yet"
 
 
@@ -118,7 +118,7 @@ class Stream:
     """
     GPU containers created one after another by L{WORKERS} threads, in one
     sandbox, each inspected (its OCI spec) and removed, never started: the
-    cri's calls as fast as this machine makes them.
+    kubelet's calls as fast as this machine makes them.
     """
 
     WORKERS = 2
@@ -281,7 +281,7 @@ def test_upgrade_started_first_leaves_no_container_unadjusted(
         indexes: tuple[str, str]) -> None:
     """
     The new instance started, C{/readyz} waited for, then the old one
-    stopped (SIGTERM, as the cri and systemd stop it): under a stream of
+    stopped (SIGTERM, as the kubelet and systemd stop it): under a stream of
     GPU container creations, every container is adjusted and none fails
     (two registered instances never both set a mount or the gate).
     """
@@ -423,7 +423,7 @@ def test_a_killed_instance(daemon: Containerd, cri: Kubelet, gpu: GpuNode,
                            instances: list[Instance], standby: bool) -> None:
     """
     SIGKILL of the instance at 90 under the stream, then a new one started
-    (the cri's or systemd's restart).  Alone, containers are created
+    (the kubelet's or systemd's restart).  Alone, containers are created
     unadjusted until it is back; with a standby registered at 91, none.
     """
     with Stream(cri, gpu) as stream:
@@ -474,7 +474,7 @@ def launcher(daemon: Containerd, gpu: GpuNode, log: Path) -> str:
 def test_node_start(daemon: Containerd, cri: Kubelet, gpu: GpuNode,
                     instances: list[Instance], tmp_path: Path, how: str) -> None:
     """
-    containerd started with the stream waiting for its CRI (the cri at a
+    containerd started with the stream waiting for its CRI (the kubelet at a
     node start).  External: the plugin started at the same moment as
     containerd (a systemd unit; a DaemonSet pod starts later, through CRI)
     connects once the runtime listens, which is when CRI serves, and the
@@ -503,6 +503,14 @@ def test_node_start(daemon: Containerd, cri: Kubelet, gpu: GpuNode,
                 registered = time.monotonic()
             stream.wait_created(8)
             window = stream.window(0.0, time.monotonic())
+            if how == "launched":
+                # The external instance joins the launched one (90 before 92):
+                # the launched one then answers "unchanged".
+                joined = time.monotonic()
+                start(instances, daemon, gpu, "90").wait_registered()
+                stream.wait_created(8)
+                both = stream.window(joined, time.monotonic())
+                assert (both.unadjusted, both.failed) == (0, 0), both
     finally:
         for path in plugins.glob("*-hostpid"):
             path.unlink()
