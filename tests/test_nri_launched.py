@@ -144,6 +144,25 @@ def test_the_launcher_runs_with_the_environment_nri_gives(
     assert refused.returncode == 2 and "run only by the runtime" in refused.stderr
 
 
+def test_the_launcher_logs_to_syslog_unless_told_a_file(tmp_path: Path) -> None:
+    """The runtime discards a launched plugin's output: by default the journal gets it."""
+    argv = tmp_path / "argv"
+    twistd = tmp_path / "twistd"
+    twistd.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {argv}\n')
+    twistd.chmod(0o755)
+    launcher = tmp_path / "92-hostpid"
+    launcher.write_text(LAUNCHER.read_text().replace(
+        "TWISTD=/opt/hostpid/venv/bin/twistd\n", f"TWISTD={twistd}\n"))
+    launcher.chmod(0o755)
+    subprocess.run([str(launcher)], env={"NRI_PLUGIN_NAME": "hostpid", "NRI_PLUGIN_IDX": "92",
+                                         "NRI_PLUGIN_SOCKET": "3"}, check=True, timeout=30)
+    words = argv.read_text().splitlines()
+    assert words[:5] == ["--nodaemon", "--pidfile=", "--syslog", "--prefix=hostpid-nri",
+                         "hostpid-nri"], words
+    assert words[words.index("--nri-fd") + 1] == "3"
+    assert words[words.index("--plugin-index") + 1] == "92"
+
+
 @pytest.mark.parametrize("descriptor", ["file", "listening", "closed"])
 def test_nri_fd_refuses_what_is_not_a_connection(tmp_path: Path, descriptor: str) -> None:
     keep: list[object] = []
