@@ -210,3 +210,13 @@ def test_a_stopped_plugin_stays_registered_for_the_drain(
             assert connection.wait_closed(30)
             assert time.monotonic() - stopped < 1.0
         assert plugin.process.wait(30) in (0, -signal.SIGTERM)
+
+
+@pytest.mark.parametrize("value", ["-1", "31", "soon"])
+def test_drain_out_of_bounds_is_refused(value: str) -> None:
+    from twisted.python import usage
+
+    from hostpid.nri.tap import Options
+
+    with pytest.raises(usage.UsageError, match="--drain must be a number of seconds"):
+        Options().parseOptions(["--drain", value])
