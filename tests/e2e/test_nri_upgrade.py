@@ -400,17 +400,18 @@ def test_stop_then_start_leaves_containers_unadjusted(
     The procedure the chart's C{maxSurge: 0} rollout followed, measured: the
     old instance stopped, then the new one started; containers are created
     unadjusted until the new one has registered.  (The figure the upgrade
-    above brings to 0.)  Two containers are created before the new instance
+    above brings to 0.)  At least two containers are created before the new instance
     is started, as a new pod's start (its image, its container) takes at
     least that long on a node, so that the figure does not depend on this
-    machine's speed.
+    machine's speed: four creations waited for, of which at most two (one
+    per thread) were under way while the old instance still answered.
     """
     with Stream(cri, gpu) as stream:
         old = start(instances, daemon, gpu, "90")
         adjusting(stream, old)
         since = time.monotonic()
         assert old.stop() in (0, -signal.SIGTERM)
-        stream.wait_created(2)
+        stream.wait_created(2 + Stream.WORKERS)
         new = start(instances, daemon, gpu, "90")
         adjusting(stream, new)
         window = stream.window(since, time.monotonic())
