@@ -489,7 +489,7 @@ def test_node_start(daemon: Containerd, cri: Kubelet, gpu: GpuNode,
     launcher in containerd's plugin directory is started and registered
     before CRI serves, and no container is created unadjusted.
     """
-    plugins = daemon.workdir / "nri" / "plugins"
+    plugins = daemon.nri_plugin_dir
     log = tmp_path / "launched.log"
     daemon.stop()
     try:
@@ -499,9 +499,9 @@ def test_node_start(daemon: Containerd, cri: Kubelet, gpu: GpuNode,
             installed.write_text(launcher(daemon, gpu, log))
             installed.chmod(0o755)
         started = time.monotonic()
-        daemon.process = daemon._start()
+        daemon.start(wait=False)
         external = start(instances, daemon, gpu, "90") if how == "external" else None
-        wait_for(daemon._answers, "containerd's CRI Version call", 60.0)
+        wait_for(daemon.serving, "containerd's CRI Version call", 60.0)
         served = time.monotonic()
         registered = served
         with Stream(cri, gpu) as stream:
@@ -547,7 +547,7 @@ def test_a_launched_plugin_that_does_not_register(
     plugin.  Why docs/nri.md gives the launcher for containerd 2.x only, or
     with a check after every change on 1.7.
     """
-    plugins = daemon.workdir / "nri" / "plugins"
+    plugins = daemon.nri_plugin_dir
     plugins.mkdir(parents=True, exist_ok=True)
     broken = launcher(daemon, gpu, tmp_path / "launched.log").replace(
         f"TWISTD={daemon.workdir / 'nri' / 'twistd'}", f"TWISTD={tmp_path / 'missing'}")
@@ -556,7 +556,7 @@ def test_a_launched_plugin_that_does_not_register(
     installed.write_text(broken)
     installed.chmod(0o755)
     try:
-        daemon.process = daemon._start()
+        daemon.start(wait=False)
         status = wait_for(lambda: (daemon.process.poll() is not None and "exited")
                           or ("pre-installed NRI plugin" in daemon.output()
                               and "failed to start" in daemon.output() and "served"),
@@ -570,4 +570,4 @@ def test_a_launched_plugin_that_does_not_register(
         daemon.start()
     else:
         assert status == "served"
-        wait_for(daemon._answers, "containerd's CRI", 60.0)
+        wait_for(daemon.serving, "containerd's CRI", 60.0)
