@@ -7,8 +7,11 @@ Why each check exists:
 - Off by default: a default install renders no plugin.
 - On, every object validates (strict) for the supported Kubernetes versions
   and C{helm lint --strict} stays clean.
-- Its own DaemonSet, rolled out one-down-first (C{maxSurge: 0}: two plugins
-  registered at once would make NRI fail containers both adjust), with no
+- Its own DaemonSet, rolled out surge-first (C{maxSurge: 1, maxUnavailable:
+  0}: the old pod stops only once the new one is ready, so no container is
+  created while no plugin is registered; two registered plugins never both
+  adjust a container, C{tests/e2e/test_nri_upgrade.py}), with a standby
+  container at the next index (a crashed plugin leaves the other), with no
   host PID namespace, nothing of the host writable, no capability, root
   only for the runtime's socket, the runtime's socket directory mounted,
   the broker directory and the lock parent's directory read-only.
@@ -60,10 +63,15 @@ def test_plugin_daemonset_shape() -> None:
                                         "nri.resources[0]=device:/dev/dri/renderD*",
                                         "nri.pluginIndex=95")))
     ds = plugin_daemonset(docs)
-    assert ds["spec"]["updateStrategy"]["rollingUpdate"] == {"maxUnavailable": 1, "maxSurge": 0}
+    assert ds["spec"]["updateStrategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
     spec = ds["spec"]["template"]["spec"]
     assert spec["hostPID"] is False and spec["hostNetwork"] is False
-    (container,) = spec["containers"]
+    container, standby = spec["containers"]
+    assert (container["name"], standby["name"]) == ("nri-plugin", "nri-standby")
+    assert standby["args"][standby["args"].index("--plugin-index") + 1] == "96"
+    assert standby["args"][standby["args"].index("--metrics") + 1] == "tcp:9397:interface=0.0.0.0"
+    differs = {k for k in container if container[k] != standby[k]}
+    assert differs == {"name", "args", "ports", "readinessProbe", "livenessProbe"}, differs
     assert container["command"] == ["twistd", "--nodaemon", "--pidfile=", "hostpid-nri"]
     args = container["args"]
     assert args[args.index("--nri-socket") + 1] == "/var/run/nri/nri.sock"
@@ -92,16 +100,29 @@ def test_notes_name_the_plugin_when_enabled() -> None:
     assert "hostpid-nri" not in notes()
 
 
-def test_a_numeric_index_is_two_digits() -> None:
-    (container,) = plugin_daemonset(render(sets("nri.enabled=true", "nri.pluginIndex=7")))[
-        "spec"]["template"]["spec"]["containers"]
-    assert container["args"][container["args"].index("--plugin-index") + 1] == "07"
+@pytest.mark.parametrize(("value", "indexes"), [
+    (sets("nri.enabled=true", "nri.pluginIndex=7"), ["07", "08"]),
+    ({"nri": {"enabled": True, "pluginIndex": "08"}}, ["08", "09"]),
+    ({"nri": {"enabled": True, "pluginIndex": "09"}}, ["09", "10"]),
+    ({"nri": {"enabled": True}}, ["90", "91"]),
+])
+def test_an_index_is_two_digits_and_the_standby_the_next(value: dict[str, Any],
+                                                         indexes: list[str]) -> None:
+    containers = plugin_daemonset(render(value))["spec"]["template"]["spec"]["containers"]
+    assert [c["args"][c["args"].index("--plugin-index") + 1] for c in containers] == indexes
+
+
+def test_index_99_leaves_none_for_the_standby() -> None:
+    assert "leaves no index for the plugin's standby" in str(
+        refusal({"nri": {"enabled": True, "pluginIndex": "99"}}))
 
 
 def gate(values: dict[str, Any]) -> str:
-    (container,) = plugin_daemonset(render(values))["spec"]["template"]["spec"]["containers"]
-    (value,) = [e["value"] for e in container["env"] if e["name"] == "LIBVGPU_HOSTPID_BROKER"]
-    return str(value)
+    containers = plugin_daemonset(render(values))["spec"]["template"]["spec"]["containers"]
+    values_ = {str(e["value"]) for c in containers for e in c["env"]
+               if e["name"] == "LIBVGPU_HOSTPID_BROKER"}
+    (value,) = values_
+    return value
 
 
 def test_the_plugins_gate_is_its_own_and_never_without_the_brokers() -> None:

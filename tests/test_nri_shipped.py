@@ -11,6 +11,9 @@ Why each check exists:
   mountpoint repaired); the lock parent prepared before it starts.
 - C{systemd-analyze verify} has nothing to say and C{security --offline}
   rates it 2.0 or less.
+- The standby unit (C{hostpid-nri-standby.service}, the second instance that
+  keeps a crash or an upgrade from leaving containers unadjusted) is the
+  same unit at index 91 and metrics port 9397, and stays so.
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from support import REPO, require_tool
 
 UNIT = REPO / "deploy" / "systemd" / "hostpid-nri.service"
+STANDBY = UNIT.with_name("hostpid-nri-standby.service")
 
 
 def values(key: str, section: str = "Service") -> list[str]:
@@ -62,20 +67,33 @@ def test_unit_runs_the_plugin_as_documented() -> None:
         assert values(forbidden) == []
 
 
-def verifiable(tmp_path: Path) -> Path:
+def verifiable(tmp_path: Path, unit: Path = UNIT) -> Path:
     twistd = Path(sys.executable).parent / "twistd"
     executable = str(twistd) if twistd.exists() else shutil.which("twistd") or sys.executable
-    copy = tmp_path / UNIT.name
-    text = UNIT.read_text().replace("ExecStart=/opt/hostpid/venv/bin/twistd ",
+    copy = tmp_path / unit.name
+    text = unit.read_text().replace("ExecStart=/opt/hostpid/venv/bin/twistd ",
                                     f"ExecStart={executable} ")
     copy.write_text(text.replace("/opt/hostpid/venv/bin/hostpid ",
                                  f"{Path(executable).parent / 'hostpid'} "))
     return copy
 
 
-def test_unit_passes_systemd_analyze(tmp_path: Path) -> None:
+def below_unit_line(text: str) -> str:
+    return text[text.index("\n[Unit]\n"):]
+
+
+def test_the_standby_is_the_same_unit_at_the_next_index() -> None:
+    expected = below_unit_line(UNIT.read_text()).replace(
+        "(hostpid)\n", "(hostpid), standby\n").replace(
+        "hostpid-nri --nri-socket", "hostpid-nri --plugin-index 91 --nri-socket").replace(
+        "tcp:9396:", "tcp:9397:")
+    assert below_unit_line(STANDBY.read_text()) == expected
+
+
+@pytest.mark.parametrize("path", [UNIT, STANDBY], ids=["main", "standby"])
+def test_unit_passes_systemd_analyze(tmp_path: Path, path: Path) -> None:
     analyze = require_tool("systemd-analyze")
-    unit = verifiable(tmp_path)
+    unit = verifiable(tmp_path, path)
     result = subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0 and result.stdout + result.stderr == "", \

@@ -34,11 +34,21 @@ HOST_LOOK_INTERVAL = 10.0
 #: NRI's own rule for an index: two digits (containerd/nri
 #: C{pkg/api/plugin.go}, C{CheckPluginIndex}).
 INDEX = re.compile(r"[0-9]{2}")
+#: Seconds a stopping plugin stays registered (L{PluginRoot.stopService}).
+#: The runtime adds a new plugin to those it calls only after registering,
+#: configuring and synchronizing it, and after any CreateContainer in flight
+#: (C{acceptPluginConnections} in containerd/nri C{pkg/adaptation/
+#: adaptation.go} appends it under the lock C{CreateContainer} holds): an old
+#: instance stopped the moment its replacement reports ready could leave a
+#: creation to neither.  Half the runtime's request timeout (2 s) covers a
+#: creation in flight; the chart's grace period (10 s) and the unit's
+#: C{TimeoutStopSec} (10 s) cover it.
+DRAIN = 1.0
 
 
 class Options(usage.Options):
-    synopsis = ("[--nri-socket PATH] [--plugin-index NN] [--resource SIGNAL]... "
-                "[--metrics ENDPOINT]")
+    synopsis = ("[--nri-socket PATH | --nri-fd N] [--plugin-index NN] [--resource SIGNAL]... "
+                "[--metrics ENDPOINT] [--drain S]")
     longdesc = (
         "Run the NRI plugin that gives every container with a GPU allocation the host PID "
         "broker's mounts (/tmp/vgpulock, then /tmp/vgpulock/hostpid read-only) and "
@@ -62,6 +72,13 @@ class Options(usage.Options):
          "The host broker directory, mounted read-only at /tmp/vgpulock/hostpid."],
         ["registration-timeout", None, REGISTRATION_TIMEOUT,
          "Seconds the runtime has to accept the registration before the plugin reconnects."],
+        ["nri-fd", None, None,
+         "Launched by the runtime (a file in its NRI plugin directory): the descriptor of the "
+         "connection it handed over (NRI_PLUGIN_SOCKET), used instead of --nri-socket; the "
+         "plugin exits when it closes."],
+        ["drain", None, DRAIN,
+         "Seconds the plugin stays registered after it is told to stop, so that a replacement "
+         "started first has joined the runtime's plugins before this one leaves."],
     ]
 
     def __init__(self) -> None:
@@ -97,6 +114,25 @@ class Options(usage.Options):
             raise usage.UsageError("--registration-timeout must be a number of seconds "
                                    f"from 0 to 60, got {self['registration-timeout']!r}")
         self["registration-timeout"] = timeout
+        try:
+            drain = float(self["drain"])
+        except ValueError:
+            drain = -1.0
+        if not 0 <= drain <= 30:
+            raise usage.UsageError("--drain must be a number of seconds from 0 to 30, "
+                                   f"got {self['drain']!r}")
+        self["drain"] = drain
+        if self["nri-fd"] is not None:
+            from hostpid.nri.launched import inherited_socket_error
+
+            if not (self["nri-fd"] or "").isdigit():
+                raise usage.UsageError(f"--nri-fd must be a descriptor number, "
+                                       f"got {self['nri-fd']!r}")
+            self["nri-fd"] = int(self["nri-fd"])
+            error = inherited_socket_error(self["nri-fd"])
+            if error is not None:
+                raise usage.UsageError(f"--nri-fd: {error}: run this way only by the runtime "
+                                       "(a file in its NRI plugin directory)")
         if self["metrics"]:
             from twisted.internet import reactor
 
@@ -174,11 +210,16 @@ class HealthEndpointService(StreamServerEndpointService):
 class PluginRoot(MultiService):
     log = Logger()
 
-    def __init__(self, config: Config, socket_path: str, index: str) -> None:
+    def __init__(self, config: Config, socket_path: str, index: str, clock: Any = None,
+                 drain: float = 0.0) -> None:
         super().__init__()
         self.config = config
         self.socketPath = socket_path
         self.index = index
+        self.clock = clock
+        self.drain = drain
+        #: The runtime connection's service (its C{ready}: registered).
+        self.connection: Any = None
 
     def startService(self) -> None:
         self.log.info(
@@ -187,6 +228,23 @@ class PluginRoot(MultiService):
             gate="on" if self.config.gate else "off",
             signals=[s.describe() for s in self.config.signals])
         super().startService()
+
+    def stopService(self) -> Deferred[None] | None:
+        """
+        Stay registered L{drain} seconds before leaving: an upgrade starts the
+        new instance, waits for it to be ready, then stops this one
+        (docs/nri.md), and the runtime may still be adding the new one.
+        """
+        if self.drain > 0 and self.clock is not None and getattr(
+                self.connection, "ready", False):
+            from twisted.internet.task import deferLater
+
+            self.log.info("hostpid-nri: stopping; still answering the runtime for {drain} s",
+                          drain=self.drain)
+            waited: Deferred[None] = deferLater(self.clock, self.drain, lambda: None)
+            waited.addCallback(lambda _: super(PluginRoot, self).stopService())
+            return waited
+        return super().stopService()
 
 
 def makeService(options: Options | dict[str, Any], reactor: Any = None) -> IService:
@@ -207,12 +265,30 @@ def makeService(options: Options | dict[str, Any], reactor: Any = None) -> IServ
     index = options.get("plugin-index") or DEFAULT_INDEX
     metrics = NRIMetrics()
     adjuster = Adjuster(config, metrics)
-    factory = PluginFactory(
-        adjuster, reactor, metrics, Backoff(), index=index,
-        registration_timeout=float(options.get("registration-timeout") or REGISTRATION_TIMEOUT))
-    root = PluginRoot(config, socket_path, index)
-    client = NRIPluginService(SocketEndpoint(reactor, socket_path), factory, reactor,
-                              socket_path)
+    timeout = float(options.get("registration-timeout") or REGISTRATION_TIMEOUT)
+    fd = options.get("nri-fd")
+    drain = options.get("drain")
+    client: Any
+    if fd is not None:
+        from hostpid.nri.launched import LaunchedConnectionService, LaunchedPluginFactory
+
+        def gone() -> None:
+            if reactor.running:
+                reactor.stop()
+
+        launched = LaunchedPluginFactory(
+            adjuster, reactor, metrics, Backoff(), index=index,
+            registration_timeout=timeout, gone=gone)
+        client = LaunchedConnectionService(reactor, int(fd), launched)
+        socket_path = client.socketPath
+    else:
+        factory = PluginFactory(adjuster, reactor, metrics, Backoff(),
+                                index=index, registration_timeout=timeout)
+        client = NRIPluginService(SocketEndpoint(reactor, socket_path), factory, reactor,
+                                  socket_path)
+    root = PluginRoot(config, socket_path, index, reactor,
+                      DRAIN if drain is None else float(drain))
+    root.connection = client
     client.setServiceParent(root)
     if config.gate:
         # The host looked at now and then, not only at a GPU container's

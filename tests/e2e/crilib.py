@@ -538,6 +538,8 @@ class Containerd:
         self.socket = workdir / "containerd.sock"
         #: The runtime's NRI socket (private to this run), when NRI is on.
         self.nri_socket = workdir / "nri" / "nri.sock" if nri else None
+        #: NRI's C{plugin_path} (L{nri_section}): plugins containerd launches at its start.
+        self.nri_plugin_dir = workdir / "nri" / "plugins"
         self.cdi_dir = workdir / "cdi"
         self.log_dir = workdir / "pods"
         #: The cgroup parent the test's pods get, one per run (removed at teardown).
@@ -588,9 +590,22 @@ class Containerd:
         the same configuration and state; its shims, and so the running
         containers, outlive it as they do in production.
         """
+        self.stop()
+        self.start()
+
+    def stop(self) -> None:
+        """Stop containerd (SIGTERM); L{start} starts it again (a node start)."""
         self._stop()
+
+    def start(self, wait: bool = True) -> None:
+        """Start the stopped containerd; with C{wait}, return once its CRI answers."""
         self.process = self._start()
-        wait_for(self._answers, "containerd's CRI Version call after a restart", 60.0)
+        if wait:
+            wait_for(self._answers, "containerd's CRI Version call after a restart", 60.0)
+
+    def serving(self) -> bool:
+        """CRI answers (it answers nothing before it is initialized); fails if containerd exited."""
+        return self._answers()
 
     def _answers(self) -> bool:
         if self.process.poll() is not None:
