@@ -280,10 +280,16 @@ def _tar_entry(tar: tarfile.TarFile, name: str, kind: bytes, mode: int,
 APPLETS = ("sh", "sleep", "grep", "cat", "echo", "ls", "id", "test")
 
 
+#: A file of the image's own C{/etc}: whether a container sees its image's
+#: C{/etc} does not depend on what a runtime adds there (containerd binds
+#: C{/etc/hosts}, CRI-O leaves it to the kubelet).
+IMAGE_ETC_MARKER = "/etc/hostpid-e2e-image"
+
+
 def image_layer(busybox: Path, client: Path) -> bytes:
     """
     One uncompressed layer: busybox and its applets in /bin, the C client,
-    /tmp, and an empty /usr with the merged-/usr links, for a pod that binds
+    L{IMAGE_ETC_MARKER}, /tmp, and an empty /usr with the merged-/usr links, for a pod that binds
     the host's /usr to run Python.
     """
     buffer = io.BytesIO()
@@ -298,6 +304,7 @@ def image_layer(busybox: Path, client: Path) -> bytes:
         for applet in APPLETS:
             _tar_entry(tar, f"bin/{applet}", tarfile.SYMTYPE, 0o777, link="busybox")
         _tar_entry(tar, "bin/hostpid_client", tarfile.REGTYPE, 0o755, client.read_bytes())
+        _tar_entry(tar, IMAGE_ETC_MARKER.lstrip("/"), tarfile.REGTYPE, 0o644, b"image\n")
     return buffer.getvalue()
 
 

@@ -42,7 +42,7 @@ from typing import Any
 import attrs
 import kubeletlib
 import pytest
-from crilib import read_cri_log, wait_exited
+from crilib import IMAGE_ETC_MARKER, read_cri_log, wait_exited
 from support import require_tool
 from test_nri_containerd import (
     GO_FILE,
@@ -176,7 +176,7 @@ def tenant_replaces_mountpoint(kubelet: Kubelet, gpu_node: GpuNode, replace: str
 #: The victim's facts: what its /etc holds, whether the broker's socket is
 #: where the broker mount puts it; then the usual script (the host PID).
 VICTIM = ('echo "etc-socket $(if [ -e /etc/broker.sock ]; then echo yes; else echo no; fi)"; '
-          'echo "etc-hosts $(if [ -e /etc/hosts ]; then echo yes; else echo no; fi)"; '
+          f'echo "etc-image $(if [ -e {IMAGE_ETC_MARKER} ]; then echo yes; else echo no; fi)"; '
           + SCRIPT)
 
 
@@ -189,7 +189,7 @@ def victim(kubelet: Kubelet, gpu_node: GpuNode, name: str) -> Run:
 def assert_sound(done: Run, gpu_node: GpuNode) -> None:
     """Started and ran; its own /etc; the broker (answering) or no broker mount."""
     assert done.lines("etc-socket") == ["no"], done.stdout
-    assert done.lines("etc-hosts") == ["yes"], done.stdout
+    assert done.lines("etc-image") == ["yes"], done.stdout
     lock_only = Adjustment(((defaults.LOCK_PARENT, str(gpu_node.node.lock_parent), False),),
                            ())
     assert done.adjustment in (adjusted(gpu_node.node), lock_only, NOTHING), done.adjustment
