@@ -144,7 +144,8 @@ PLUGIN_REFUSES = [
 #: Values it accepts, which render.
 PLUGIN_ACCEPTS = [
     "nvidia.com/gpu", "device:/dev/dri/renderD*", "device:re:/dev/nvidia[0-9]+",
-    "device:re:(?i)/dev/NVIDIA.*", "cdi:amd.com/gpu", "devnull-mount:/var/run/nvidia-container-devices",
+    "device:re:(?i)/dev/NVIDIA.*", "cdi:amd.com/gpu",
+    "devnull-mount:/var/run/nvidia-container-devices",
 ]
 
 

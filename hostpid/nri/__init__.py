@@ -15,6 +15,8 @@ Imports L{hostpid.node}, never L{hostpid.broker}.
 
 from __future__ import annotations
 
+import importlib
+
 #: The protobuf runtimes the checked-in messages (C{api_pb2.py}, C{ttrpc_pb2.py})
 #: run on, as C{setup.cfg} requires them: their gencode is 6.30.0 (grpcio-tools
 #: 1.72.2's protoc), and protobuf guarantees that gencode of major V runs on
@@ -49,11 +51,11 @@ def _installed_protobuf() -> tuple[int, int, int] | None:
         from google.protobuf import runtime_version
     except ImportError:
         try:
-            import google.protobuf
+            package = importlib.import_module("google.protobuf")
         except ImportError:
             return None
         # Before 5.26 protobuf had no runtime_version module: older than any we run on.
-        major, minor, patch, *_ = (google.protobuf.__version__.split(".") + ["0", "0"])
+        major, minor, patch, *_ = ([*str(package.__version__).split("."), "0", "0"])
         return (int(major), int(minor), int(patch.split("rc")[0] or 0))
     return (runtime_version.MAJOR, runtime_version.MINOR, runtime_version.PATCH)
 
