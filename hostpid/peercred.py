@@ -399,6 +399,13 @@ class PeerIdentifier:
         request, to give up first the slots that can never serve anyone
         (L{hostpid.broker.waiting}).  C{False} where it cannot be told:
         with no liveness check, or when the kernel refuses the question.
+
+        @param accepted: with the start-time check, a moment I{after} the
+            connection was made (its accept, or later): a process at the
+            PID that started after it cannot be the connector.  Not the
+            lower bound L{host_pid} is given to answer (L{connectFloor}):
+            a process that started after that bound may still be the
+            connector, and is refused an answer, not taken for gone.
         """
         if self.check is _NONE:
             return False
