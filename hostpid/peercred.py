@@ -399,9 +399,40 @@ class PeerIdentifier:
         request, to give up first the slots that can never serve anyone
         (L{hostpid.broker.waiting}).  C{False} where it cannot be told:
         with no liveness check, or when the kernel refuses the question.
+
+        @param accepted: with the start-time check, a moment I{after} the
+            connection was made (its accept, or later): a process at the
+            PID that started after it cannot be the connector.  Not the
+            lower bound L{host_pid} is given to answer (L{connectFloor}):
+            a process that started after that bound may still be the
+            connector, and is refused an answer, not taken for gone.
+
+        First the cheapest proof: C{kill(pid, 0)} failing with C{ESRCH}
+        means no process has the PID the kernel reported, so the one that
+        connected has exited (a PID is not given again while its process
+        lives).  Under a PID spray nearly every connection asked about is
+        such a one, and the check in force costs more: C{SO_PEERPIDFD}
+        makes a pidfd (a file) for the reaped connector only for
+        C{pidfd_send_signal} to say so, 4.2 us against 0.65 us measured,
+        on the path where the broker must shed connections faster than
+        one attacker's core makes them (else the listen backlog stays
+        full and real clients' connects fail with C{EAGAIN}).  Any other
+        result (the PID is taken, C{EPERM}, a refusal) leaves the answer
+        to the check in force.
         """
         if self.check is _NONE:
             return False
+        try:
+            pid = _getsockopt(sock, SOL_SOCKET, SO_PEERCRED)
+        except OSError:
+            return False
+        if pid > 0:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return True
+            except OSError:
+                pass
         try:
             self.host_pid(sock, accepted)
         except PeerGone:

@@ -49,6 +49,7 @@ from hostpid.admission.decision import (
     UNCHANGED,
     USERNS_SYS_ADMIN,
     Config,
+    Decision,
     annotations_size,
     clip,
     decide,
@@ -455,3 +456,62 @@ def test_the_remounting_rule_spares_other_pods() -> None:
     user_namespaced = pod(admin)
     user_namespaced["spec"]["hostUsers"] = False
     assert decide(user_namespaced, CDI).outcome == PATCHED
+
+
+@pytest.mark.parametrize("security", [
+    {"capabilities": {"add": ["SYS_ADMIN"]}},
+    {"capabilities": {"add": ["ALL"]}},
+    {"privileged": True},
+], ids=["sys_admin", "all", "privileged"])
+@pytest.mark.parametrize("where", ["qualifying", "sidecar", "init"])
+def test_reinvoked_after_a_later_webhook_made_it_remounting_it_takes_its_volumes_back(
+        security: dict[str, Any], where: str) -> None:
+    """
+    The webhook patched a user-namespaced pod; a later webhook then gave one
+    of its containers C{SYS_ADMIN}, C{ALL} or privilege, and the API server
+    reinvokes this one (C{reinvocationPolicy: IfNeeded}).  It removes the
+    volumes, mounts and gate it added, and nothing of the pod's own: the pod
+    ends as a first call on it would have left it (once an empty patch, and
+    the broker's volume stayed).
+    """
+    own_env = [{"name": "OTHER", "value": "x"}]
+    own_mount = {"name": "scratch", "mountPath": "/scratch"}
+    cuda = container("cuda", env=list(own_env), volumeMounts=[dict(own_mount)])
+    helper = container("helper", gpu=None, env=list(own_env))
+    second = container("second", "requests")
+    initial = pod(cuda, helper, second, init=(container("i", None),))
+    initial["spec"]["hostUsers"] = False
+    initial["spec"]["volumes"] = [{"name": "scratch", "emptyDir": {}}]
+    patched, first = applied(initial, MOUNTS)
+    assert first.outcome == PATCHED
+    later = copy.deepcopy(patched)
+    spec = later["spec"]
+    target = {"qualifying": spec["containers"][0], "sidecar": spec["containers"][1],
+              "init": spec["initContainers"][0]}[where]
+    target["securityContext"] = security
+    result, again = applied(later, MOUNTS)
+    assert again.outcome == USERNS_SYS_ADMIN and again.patch
+    (warning,) = again.warnings
+    assert warning.startswith("hostpid broker removed: ") and "docs/userns.md" in warning
+    expected = copy.deepcopy(initial)
+    {"qualifying": expected["spec"]["containers"][0],
+     "sidecar": expected["spec"]["containers"][1],
+     "init": expected["spec"]["initContainers"][0]}[where]["securityContext"] = security
+    # The webhook's own additions of empty lists stay as empty lists.
+    for field, index in (("containers", 2),):
+        expected["spec"][field][index].setdefault("volumeMounts", [])
+        expected["spec"][field][index].setdefault("env", [])
+    assert result == expected
+    valid(result)
+    # A third call changes nothing more.
+    assert decide(result, MOUNTS) == Decision((), (warning.replace("removed", "not added"),),
+                                              USERNS_SYS_ADMIN)
+
+
+def test_the_removal_leaves_a_volume_of_its_name_with_another_path() -> None:
+    original = pod(container("cuda", securityContext={"privileged": True},
+                             volumeMounts=[{"name": BROKER_VOLUME, "mountPath": "/data"}]))
+    original["spec"]["hostUsers"] = False
+    original["spec"]["volumes"] = [{"name": BROKER_VOLUME, "hostPath": {"path": "/srv/data"}}]
+    decision = decide(original, MOUNTS)
+    assert decision.patch == ()

@@ -20,6 +20,10 @@ systemd"), performed as written in a fresh root, and the unit as installed.
   C{hidepid=invisible} only group 0's exemption lets a root without
   capabilities see them, so the unit keeps group 0 (a control run without
   the exemption is refused).
+- Beside a node agent pinned to protobuf 6 (opentelemetry-proto 1.42 asks
+  for C{protobuf<7}), installing the package keeps protobuf 6 (it once
+  upgraded it to 7 and broke C{pip check}), and the NRI plugin's messages
+  load and round-trip on that 6 and, in the same environment, on 7.
 - The C{hostpid} command: a plain script on the environment's C{PATH} whose
   C{#!} names the environment's interpreter; C{hostpid probe} run as the
   kubelet runs it loads no C{re} (pip's console-script wrapper did) nor any
@@ -361,3 +365,51 @@ def test_the_installed_command_probes_without_loading_re(
     # The other subcommands run from the script too (the argparse path).
     assert doctor.returncode == 1, doctor.stderr  # no gate, no read-only mount here
     assert doctor.stdout.startswith("gate FAIL "), doctor.stdout
+
+
+#: A node agent's package that pins protobuf's previous major (C{protobuf<7.0,>=5.0}).
+PINNED_AGENT = "opentelemetry-proto==1.42.0"
+#: What the smoke check runs with the environment's interpreter: the plugin's
+#: options load, and a CreateContainer request round-trips through the
+#: generated messages.  Prints the protobuf runtime's version.
+NRI_SMOKE = """
+import google.protobuf
+from hostpid.nri import api_pb2, tap
+request = api_pb2.CreateContainerRequest(container=api_pb2.Container(name="c", env=["A=B"]))
+again = api_pb2.CreateContainerRequest.FromString(request.SerializeToString())
+assert again.container.env == ["A=B"], again
+tap.Options().parseOptions(["--resource", "nvidia.com/gpu"])
+print(google.protobuf.__version__)
+"""
+
+
+def test_the_install_keeps_an_agents_protobuf_6(installed: Installed,
+                                                 tmp_path: Path) -> None:
+    """
+    One environment (the documented install's interpreter, this checkout's
+    copy): the agent first, then the package, then protobuf 7 over it.
+    """
+    venv = tmp_path / "venv"
+    subprocess.run([str(system_python()), "-m", "venv", str(venv)], check=True, timeout=120)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "--disable-pip-version-check", "-q"]
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+
+    def run(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True,
+                              timeout=900)
+
+    def protobuf_after_smoke() -> str:
+        done = run(str(venv / "bin" / "python"), "-c", NRI_SMOKE)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    agent = run(*pip, "install", PINNED_AGENT)
+    assert agent.returncode == 0, agent.stderr
+    done = run(*pip, "install", str(installed.root / "src" / "hostpid"))
+    assert done.returncode == 0, done.stderr
+    assert protobuf_after_smoke().startswith("6."), "the install replaced the agent's protobuf"
+    check = run(*pip, "check")
+    assert check.returncode == 0, check.stdout + check.stderr
+    seven = run(*pip, "install", "protobuf>=7,<8")
+    assert seven.returncode == 0, seven.stderr
+    assert protobuf_after_smoke().startswith("7.")

@@ -12,14 +12,25 @@ Why each check exists:
   created while no plugin is registered; two registered plugins never both
   adjust a container, C{tests/e2e/test_nri_upgrade.py}), with a standby
   container at the next index (a crashed plugin leaves the other), with no
-  host PID namespace, nothing of the host writable, no capability, root
-  only for the runtime's socket, the runtime's socket directory mounted,
-  the broker directory and the lock parent's directory read-only.
+  host PID namespace, no capability, root only for the runtime's socket,
+  the runtime's socket directory and the broker directory read-only, and
+  nothing of the host writable but the lock parent's directory (the
+  plugin repairs the broker mountpoint there, as C{hostpid allocate}
+  does).
 - Its gate is its own (C{nri.gate}, on after the broker and off before it:
   the chart refuses it without the broker's), its options the values; the
   probes use its
   C{/readyz} and C{/healthz}; no broker selector selects its pods.
-- The schema refuses a malformed index or signal before rendering.
+- The schema refuses a malformed index or signal before rendering, and
+  C{nri.resources} is validated as the plugin validates them
+  (L{hostpid.nri.decision.parse_resource}): a value the plugin would refuse
+  at start (C{nvidia.com/gpumem}, C{amd.com/gpu}, a regular expression
+  that does not compile) is refused at render, the message naming the
+  value's path; what it accepts renders.
+- The runtime's socket directory is mounted read-only (the plugin connects
+  through it: tests/e2e/test_nri_socket_mount.py).
+- The NOTES' rollback is one the chart accepts with the gates on (each
+  gate off before the broker) and names the webhook.
 """
 
 from __future__ import annotations
@@ -29,8 +40,10 @@ from typing import Any
 import helm_python as helm
 import kubernetes_validate.utils as kubernetes_validate
 import pytest
-from test_chart import CHART, RELEASE_NAMESPACE, by_kind, merge, refusal, render, sets
+from test_chart import CHART, RELEASE_NAMESPACE, by_kind, merge, notes, refusal, render, sets
 from test_deploy import KUBERNETES_VERSIONS
+
+from hostpid.nri.decision import parse_resource
 
 ON = sets("nri.enabled=true")
 
@@ -84,7 +97,11 @@ def test_plugin_daemonset_shape() -> None:
     assert security["allowPrivilegeEscalation"] is False and security["privileged"] is False
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
     assert set(mounts) == {"/var/run/nri", "/var/run/hami/hostpid", "/tmp"}
-    assert mounts["/var/run/hami/hostpid"]["readOnly"] and mounts["/tmp"]["readOnly"]
+    # Read-only but the lock parent's directory, which the plugin writes to repair the
+    # broker mountpoint a tenant replaced.
+    assert mounts["/var/run/nri"]["readOnly"] is True, mounts
+    assert mounts["/var/run/hami/hostpid"]["readOnly"] is True, mounts
+    assert not mounts["/tmp"].get("readOnly", False), mounts
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     broker = by_kind([d for d in docs if d["metadata"]["name"] == "hostpid-broker"],
                      "DaemonSet")
@@ -142,3 +159,62 @@ def test_the_plugins_gate_is_its_own_and_never_without_the_brokers() -> None:
 ])
 def test_schema_refuses(values: dict[str, Any]) -> None:
     assert "nri" in str(refusal(values))
+
+
+#: Values the plugin refuses at start (twistd hostpid-nri --resource), each
+#: with what the chart's refusal must say besides the value's path.
+PLUGIN_REFUSES = [
+    "nvidia.com/gpumem", "nvidia.com/gpucores", "amd.com/gpu", "env:NVIDIA_VISIBLE_DEVICES",
+    "device:dev/nvidia0", "devnull-mount:var/run", "cdi:", "gpu",
+    "device:re:/dev/nvidia[", "device:re:(a", "device:re:*a", "device:re:a)|(b",
+]
+#: Values it accepts, which render.
+PLUGIN_ACCEPTS = [
+    "nvidia.com/gpu", "device:/dev/dri/renderD*", "device:re:/dev/nvidia[0-9]+",
+    "device:re:(?i)/dev/NVIDIA.*", "cdi:amd.com/gpu",
+    "devnull-mount:/var/run/nvidia-container-devices",
+]
+
+
+@pytest.mark.parametrize("value", PLUGIN_REFUSES)
+def test_a_resource_the_plugin_refuses_is_refused_at_render_by_its_path(value: str) -> None:
+    with pytest.raises(ValueError):
+        parse_resource(value)
+    message = str(refusal({"nri": {"enabled": True, "resources": ["nvidia.com/gpu", value]}}))
+    assert "/nri/resources/1" in message or "nri.resources[1]" in message, message
+    assert value in message, message
+
+
+@pytest.mark.parametrize("value", PLUGIN_ACCEPTS)
+def test_a_resource_the_plugin_accepts_renders(value: str) -> None:
+    assert parse_resource(value)
+    containers = plugin_daemonset(render({"nri": {"enabled": True, "resources": [value]}}))[
+        "spec"]["template"]["spec"]["containers"]
+    for container in containers:  # the plugin and its standby
+        assert container["args"][container["args"].index("--resource") + 1] == value
+
+
+@pytest.mark.parametrize("gates", [
+    ("webhook.gate=true",), ("nri.gate=true",), ("webhook.gate=true", "nri.gate=true"), ()])
+def test_the_notes_rollback_is_accepted_step_by_step(gates: tuple[str, ...]) -> None:
+    """
+    With the broker and any gate on, each C{helm upgrade --reuse-values}
+    the NOTES give renders in its turn (the chart refuses the broker off
+    while a gate is on: a single "broker off" was refused), the last turns
+    the broker off, and the webhook is named where it runs.
+    """
+    values = sets("hostPIDBroker.enabled=true", "webhook.enabled=true", "nri.enabled=true",
+                  *gates)
+    text = notes(values)
+    commands = [line.split("--reuse-values", 1)[1].split() for line in text.splitlines()
+                if line.strip().startswith("helm upgrade")]
+    assert commands and all(c[::2] == ["--set"] * (len(c) // 2) for c in commands), commands
+    for command in commands:
+        values = merge(values, sets(*command[1::2]))
+        render(values)
+    assert gate(values) == "0"
+    assert "The gate is OFF (hostPIDBroker.enabled=false)" in notes(values)
+    assert commands[-1] == ["--set", "hostPIDBroker.enabled=false"]
+    assert "hostpid-webhook" in text.split("Roll back", 1)[1]
+    if "webhook.gate=true" in gates:
+        assert "MutatingWebhookConfiguration hostpid-webhook-hostpid" in text

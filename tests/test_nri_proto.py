@@ -7,6 +7,11 @@ Why each check exists:
   checked in; regenerating them with the one command C{api.proto} states
   must give the same bytes, so an edit of a C{.proto} without regenerating
   (or a hand edit of the output) fails here.
+- The generated code is of protobuf's previous major (6), so that the
+  install's C{protobuf>=6.30.0,<8} lets it sit beside an agent pinned to 6
+  (opentelemetry-proto 1.42): gencode of major V runs on runtimes V and V+1.
+  C{setup.cfg} requires exactly the range L{hostpid.nri} checks, and a
+  missing or too old runtime makes C{twistd hostpid-nri} say what to install.
 - The field numbers and names the wire depends on are NRI's and ttrpc's
   (C{pkg/api/api.proto}, C{request.proto}): the package, the event numbers,
   and the fields the plugin reads and writes.
@@ -14,6 +19,8 @@ Why each check exists:
 
 from __future__ import annotations
 
+import configparser
+import re
 import shutil
 import subprocess
 import sys
@@ -22,6 +29,7 @@ from pathlib import Path
 import pytest
 from support import REPO
 
+from hostpid import nri
 from hostpid.nri import api_pb2, ttrpc_pb2
 
 GENERATED = ["api_pb2.py", "api_pb2.pyi", "ttrpc_pb2.py", "ttrpc_pb2.pyi"]
@@ -39,6 +47,44 @@ def test_generated_code_is_current(tmp_path: Path) -> None:
     for name in GENERATED:
         assert (tree / name).read_bytes() == (REPO / "hostpid" / "nri" / name).read_bytes(), (
             f"{name} is stale: run the command in hostpid/nri/api.proto")
+
+
+def test_gencode_is_the_previous_major_and_the_install_allows_both() -> None:
+    for name in ("api_pb2.py", "ttrpc_pb2.py"):
+        text = (REPO / "hostpid" / "nri" / name).read_text()
+        (version,) = re.findall(r"^# Protobuf Python Version: (\d+)\.(\d+)\.(\d+)$", text,
+                                re.MULTILINE)
+        assert tuple(map(int, version)) == nri.PROTOBUF_OLDEST, name
+    assert nri.PROTOBUF_OLDEST[0] + 2 == nri.PROTOBUF_NEXT_MAJOR
+    config = configparser.ConfigParser()
+    config.read(REPO / "setup.cfg")
+    requires = [line.strip() for line in config["options"]["install_requires"].splitlines()
+                if line.strip().startswith("protobuf")]
+    assert requires == [nri.PROTOBUF_REQUIREMENT]
+
+
+@pytest.mark.parametrize(("version", "fits"), [
+    (None, False), ((5, 29, 3), False), ((6, 29, 9), False), ((6, 30, 0), True),
+    ((6, 33, 6), True), ((7, 36, 2), True), ((8, 0, 0), False)])
+def test_protobuf_problem(version: tuple[int, int, int] | None, fits: bool) -> None:
+    problem = nri.protobuf_problem(version)
+    assert (problem is None) == fits
+    if problem is not None:
+        assert f"pip install '{nri.PROTOBUF_REQUIREMENT}'" in problem
+
+
+def test_twistd_names_the_requirement_when_protobuf_is_missing() -> None:
+    # The plugin's environment without protobuf (an install with --no-deps,
+    # or one another agent's pin left older): twistd's last line says what
+    # to install, instead of a VersionError from the generated code.
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys; sys.modules['google.protobuf'] = None\n"
+         "from twisted.scripts.twistd import run\n"
+         "sys.argv = ['twistd', 'hostpid-nri', '--help']\nrun()"],
+        capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1] == (
+        "ImportError: " + nri.protobuf_problem(None)), done.stderr
 
 
 def field(message: type, name: str) -> int:

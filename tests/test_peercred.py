@@ -226,3 +226,27 @@ def test_connector_gone_cannot_tell_without_a_liveness_check(tmp_path: Path) -> 
     identifier = PeerIdentifier(check=LivenessCheck.NONE)
     with accepted_from_exited_child(tmp_path / "s") as connection:
         assert identifier.connector_gone(connection) is False
+
+
+@pytest.mark.parametrize("check", [LivenessCheck.PEERPIDFD, LivenessCheck.PIDFD_OPEN])
+def test_a_connector_whose_pid_names_no_process_is_gone_without_a_pidfd(
+    tmp_path: Path, check: LivenessCheck
+) -> None:
+    """
+    Under a PID spray every newcomer's connector is reaped: C{kill(pid, 0)}
+    failing with C{ESRCH} proves it gone for 0.65 us, where the check in
+    force made a pidfd first (C{SO_PEERPIDFD}: 4.2 us measured), on the
+    path that must shed connections faster than the attacker makes them.
+    """
+
+    armed = False
+
+    def no_pidfd(target: object) -> int:
+        if armed:
+            raise AssertionError("a pidfd was made")
+        return os.pidfd_open(target) if isinstance(target, int) else peer_pidfd(target)
+
+    identifier = PeerIdentifier(check=check, peerPidfd=no_pidfd, pidfdOpen=no_pidfd)
+    armed = True
+    with accepted_from_exited_child(tmp_path / "s") as connection:
+        assert identifier.connector_gone(connection) is True

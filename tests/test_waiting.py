@@ -600,3 +600,60 @@ def test_no_accept_clock_no_reading(clock) -> None:
         assert identifier.accepted == [0]
     finally:
         tenants.close()
+
+
+def lagging_identifier() -> PeerIdentifier:
+    """
+    The start-time check (no C{SO_PEERPIDFD}) with its bound on when a
+    connection was made lagging far behind, as under a full backlog: every
+    process of this test started after the bound plus the PID space's cycle.
+    """
+    identifier = PeerIdentifier(check=LivenessCheck.PIDFD_OPEN)
+    if identifier.check is not LivenessCheck.PIDFD_OPEN or not identifier.startTimes:
+        pytest.skip(f"no start-time check here: pidfd_open refused "
+                    f"({identifier.pidfdOpenRefused}) or /proc not this PID namespace's")
+    identifier.useConnectFloor(lambda: 1)
+    return identifier
+
+
+def test_a_live_connector_is_not_gone_when_the_bound_lags(clock) -> None:
+    """
+    With the start-time check, whether a connector is gone is asked against
+    a moment after its connect (its admission), not against the lagging
+    lower bound the answer uses: a live client that started after that
+    bound is refused an answer at most (it falls back), never shed at
+    admission or evicted as gone.  Before, a room full of live clients shed
+    every live newcomer as connector_gone (the PID spray test's
+    unexplained closes on a loaded machine, with no peer_gone logged).
+    """
+    factory, room, tenants = make_room(clock, maxConnections=4, maxPerPeer=8,
+                                       identifier=lagging_identifier())
+    try:
+        held = [tenants.waiting(peer=index) for index in range(4)]
+        newcomer, newcomerClient = tenants.connect(peer=99)
+        assert newcomer is not None, "a live newcomer is admitted"
+        assert factory.counts[Outcome.CONNECTOR_GONE] == 0
+        assert factory.counts[Outcome.EVICTED] == 1 and held[0][0].finished
+        # The answer still uses the lagging bound: refused, with no reply.
+        newcomerClient.sendall(REQUEST)
+        newcomer.doRead()
+        assert closed_unanswered(newcomerClient)
+        assert factory.counts[Outcome.PEER_GONE] == 1
+    finally:
+        tenants.close()
+
+
+def test_a_gone_connector_waiting_is_found_with_the_start_time_check(clock, listener) -> None:
+    """A gone connector is still found gone (its PID names no process) while the bound lags."""
+    factory, room, tenants = make_room(clock, maxConnections=4, maxPerPeer=8,
+                                       identifier=lagging_identifier())
+    try:
+        late, _ = tenants.waiting(peer=1)
+        sprayed = [tenants.sprayed(listener, peer=10 + index)[0] for index in range(3)]
+        tenants.waiting(peer=2)
+        assert not late.finished
+        assert [c is not None and c.finished for c in sprayed] == [True, False, False]
+        assert factory.counts[Outcome.CONNECTOR_GONE] == 1
+        assert factory.counts[Outcome.EVICTED] == 0
+    finally:
+        tenants.close()

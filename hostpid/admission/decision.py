@@ -435,8 +435,14 @@ def decide(pod: Mapping[str, Any], config: Config) -> Decision:
     else:
         remounter = _userns_remounter(spec)
         if remounter is not None:
-            return Decision((), (
-                f"hostpid broker not added: the pod has its own user namespace "
+            # Reinvoked (reinvocationPolicy: IfNeeded) after a later webhook
+            # gave the pod a remounting container, the pod still carries what
+            # this webhook added on its first call: take it away again, so
+            # that the pod ends as a first call on it would have left it.
+            taken = _userns_removal(spec, config)
+            verb = "removed" if taken else "not added"
+            return Decision(taken, (
+                f"hostpid broker {verb}: the pod has its own user namespace "
                 f"(hostUsers: false) and {remounter}: through the idmapped hostPath the "
                 "kubelet gives such a pod, it could write the node's broker directory "
                 "(docs/userns.md)",), USERNS_SYS_ADMIN)
@@ -448,6 +454,47 @@ def decide(pod: Mapping[str, Any], config: Config) -> Decision:
                 f"containers would be {size:,} bytes, more than the webhook gives "
                 f"({MAX_PATCH:,})",), OVERSIZED)
     return Decision(patch, (), PATCHED if patch else UNCHANGED)
+
+
+def _userns_removal(spec: Mapping[str, Any], config: Config) -> tuple[dict[str, Any], ...]:
+    """
+    The operations that take away what mode C{mounts} adds (L{_mount_ops}):
+    the webhook's two volumes where they name its host paths, every mount of
+    them, and the gate (exactly as given, C{LIBVGPU_HOSTPID_BROKER=1}) in the
+    containers that had such a mount.  Nothing else: a volume of the pod's
+    own under another name, or of one of these names with another path, is
+    the pod's (L{_shadowing} leaves such a pod alone before this is asked).
+    Array entries are removed from the last to the first, so that each
+    index is still right when its operation is applied.
+    """
+    ours = {want.volume for want in _wanted(config)}
+    paths = {want.volume: clean_container_path(want.host_path) for want in _wanted(config)}
+    volumes = _list(spec.get("volumes"))
+    taken_volumes = [
+        index for index, volume in enumerate(volumes)
+        if isinstance(volume, Mapping) and volume.get("name") in ours
+        and _host_path(volume) == paths[volume["name"]]
+    ]
+    if not taken_volumes:
+        return ()
+    names = {volumes[index]["name"] for index in taken_volumes}
+    gate = {"name": GATE_ENV, "value": ENABLED_VALUE}
+    ops: list[dict[str, Any]] = []
+    for field, index, container in _containers(spec):
+        mounts = _list(container.get("volumeMounts"))
+        taken = [position for position, mount in enumerate(mounts)
+                 if isinstance(mount, Mapping) and mount.get("name") in names]
+        if not taken:
+            continue
+        ops.extend({"op": "remove", "path": pointer("spec", field, index, "volumeMounts",
+                                                    position)} for position in reversed(taken))
+        env = _list(container.get("env"))
+        ops.extend({"op": "remove", "path": pointer("spec", field, index, "env", position)}
+                   for position in reversed(range(len(env)))
+                   if isinstance(env[position], Mapping) and dict(env[position]) == gate)
+    ops.extend({"op": "remove", "path": pointer("spec", "volumes", index)}
+               for index in reversed(taken_volumes))
+    return tuple(ops)
 
 
 def _userns_remounter(spec: Mapping[str, Any]) -> str | None:

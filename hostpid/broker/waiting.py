@@ -86,6 +86,7 @@ from hostpid import wire
 from hostpid.broker.deadlines import ArrivalDeadlines
 from hostpid.broker.fairness import LookBackoff, PeerQueues, Rotation
 from hostpid.broker.server import BrokerFactory, Outcome, answer
+from hostpid.starttime import boottime_ns
 
 _SOL_SOCKET = int(socket.SOL_SOCKET)
 _SO_PEERCRED = int(socket.SO_PEERCRED)
@@ -131,7 +132,8 @@ class WaitingConnection:
     the factory's slots until L{finish}.
     """
 
-    __slots__ = ("socket", "fd", "peer", "started", "accepted", "finished", "_buffer", "_room")
+    __slots__ = ("socket", "fd", "peer", "started", "accepted", "admitted", "finished",
+                 "_buffer", "_room")
 
     def __init__(
         self,
@@ -140,12 +142,17 @@ class WaitingConnection:
         peer: int,
         prefix: bytes,
         accepted: int = 0,
+        admitted: int = 0,
     ) -> None:
         """
         @param accepted: when it was accepted on the identifier's
             L{PeerIdentifier.acceptClock} (the liveness check without
-            C{SO_PEERPIDFD} compares the peer's start time with it), or 0
+            C{SO_PEERPIDFD} compares the peer's start time with it: a
+            lower bound on when it was connected, for the answer), or 0
             where the check needs none.
+        @param admitted: when it was admitted (L{boottime_ns}, read after
+            its accept: an upper bound on when it was connected, for
+            L{PeerIdentifier.connector_gone}), or 0 where the check needs none.
         """
         self._room = room
         self.socket = sock
@@ -153,6 +160,7 @@ class WaitingConnection:
         self.peer = peer
         self.started = 0.0
         self.accepted = accepted
+        self.admitted = admitted
         self.finished = False
         self._buffer = prefix
 
@@ -303,12 +311,24 @@ class WaitingRoom:
             self.overLimit.append(sock)
             return None
         # As the port accepts it: the accept time the liveness check without
-        # SO_PEERPIDFD compares start times with.
+        # SO_PEERPIDFD compares start times with when it answers (the port's
+        # bound on when the connection was made, which lags while the
+        # backlog stays full), and, for the question whether its connector
+        # is gone, now: after the accept, so after the connect.  A process
+        # that started after now cannot be the connector; one that started
+        # between the two bounds may be (the bound lagged), and asked with
+        # the lagging one it was taken for gone: a live client, shed at
+        # admission or evicted while it wrote (outcome connector_gone), many
+        # a run of the PID spray test on a loaded machine.
         acceptClock = factory.identifier.acceptClock
-        accepted = acceptClock() if acceptClock is not None else 0
+        if acceptClock is not None:
+            accepted = acceptClock()
+            admitted = boottime_ns()
+        else:
+            accepted = admitted = 0
         if factory.active >= factory.maxConnections:
             looking = self.backoff.due()
-            if looking and factory.identifier.connector_gone(sock, accepted):
+            if looking and factory.identifier.connector_gone(sock, admitted):
                 # It could never be answered: it takes no one's slot.
                 self.backoff.looked(True)
                 self._shed(sock, _CONNECTOR_GONE)
@@ -321,7 +341,7 @@ class WaitingRoom:
                     self._shed(sock)
                     return None
                 victim[0].finish(Outcome.EVICTED)
-        connection = WaitingConnection(self, sock, peer, prefix, accepted)
+        connection = WaitingConnection(self, sock, peer, prefix, accepted, admitted)
         factory.transactionStarted()
         queues.add(connection, peer)
         self.rotation.add(connection)
@@ -352,7 +372,7 @@ class WaitingRoom:
         for _ in range(min(GONE_CHECKS, len(rotation))):
             connection = rotation.next()
             assert connection is not None
-            if connectorGone(connection.socket, connection.accepted):
+            if connectorGone(connection.socket, connection.admitted):
                 connection.finish(_CONNECTOR_GONE)
                 self.backoff.looked(True)
                 return True

@@ -15,3 +15,56 @@ with a GPU allocation the broker's mounts and gate at creation.
 Imports L{hostpid.node} (and the webhook's pure L{hostpid.admission.decision.clip}
 for bounded log fields), never L{hostpid.broker}.
 """
+
+from __future__ import annotations
+
+import importlib
+
+#: The protobuf runtimes the checked-in messages (C{api_pb2.py}, C{ttrpc_pb2.py})
+#: run on, as C{setup.cfg} requires them: their gencode is 6.30.0 (grpcio-tools
+#: 1.72.2's protoc), and protobuf guarantees that gencode of major V runs on
+#: runtimes of V (not older than the gencode) and V+1
+#: (https://protobuf.dev/support/cross-version-runtime-guarantee; its
+#: C{google/protobuf/runtime_version.py}, C{ValidateProtobufRuntimeVersion},
+#: refuses an older runtime).  Not forcing 7 lets the package sit beside a node
+#: agent pinned to 6 (opentelemetry-proto 1.42 asks for <7).
+PROTOBUF_REQUIREMENT = "protobuf>=6.30.0,<8"
+PROTOBUF_OLDEST = (6, 30, 0)
+PROTOBUF_NEXT_MAJOR = 8
+
+
+def protobuf_problem(version: tuple[int, int, int] | None) -> str | None:
+    """
+    Why the protobuf runtime C{version} (C{None}: not importable) cannot run
+    the NRI messages, in words that say how to fix it; C{None} if it can.
+    """
+    if version is None:
+        found = "no protobuf runtime is installed"
+    elif PROTOBUF_OLDEST <= version and version[0] < PROTOBUF_NEXT_MAJOR:
+        return None
+    else:
+        found = f"protobuf {'.'.join(map(str, version))} is installed"
+    return (f"the NRI plugin (twistd hostpid-nri) needs {PROTOBUF_REQUIREMENT}, a requirement of "
+            f"hostpid-broker, but {found}: pip install '{PROTOBUF_REQUIREMENT}' in the "
+            "plugin's environment")
+
+
+def _installed_protobuf() -> tuple[int, int, int] | None:
+    try:
+        from google.protobuf import runtime_version
+    except ImportError:
+        try:
+            package = importlib.import_module("google.protobuf")
+        except ImportError:
+            return None
+        # Before 5.26 protobuf had no runtime_version module: older than any we run on.
+        major, minor, patch, *_ = ([*str(package.__version__).split("."), "0", "0"])
+        return (int(major), int(minor), int(patch.split("rc")[0] or 0))
+    return (runtime_version.MAJOR, runtime_version.MINOR, runtime_version.PATCH)
+
+
+_problem = protobuf_problem(_installed_protobuf())
+if _problem is not None:
+    # Raised here, where every module of the plugin is imported through, so that
+    # twistd names the fix instead of a VersionError from the generated code.
+    raise ImportError(_problem)

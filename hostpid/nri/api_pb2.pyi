@@ -86,13 +86,13 @@ class SynchronizeRequest(_message.Message):
     pods: _containers.RepeatedCompositeFieldContainer[PodSandbox]
     containers: _containers.RepeatedCompositeFieldContainer[Container]
     more: bool
-    def __init__(self, pods: _Optional[_Iterable[_Union[PodSandbox, _Mapping]]] = ..., containers: _Optional[_Iterable[_Union[Container, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
+    def __init__(self, pods: _Optional[_Iterable[_Union[PodSandbox, _Mapping]]] = ..., containers: _Optional[_Iterable[_Union[Container, _Mapping]]] = ..., more: bool = ...) -> None: ...
 
 class SynchronizeResponse(_message.Message):
     __slots__ = ("more",)
     MORE_FIELD_NUMBER: _ClassVar[int]
     more: bool
-    def __init__(self, more: _Optional[bool] = ...) -> None: ...
+    def __init__(self, more: bool = ...) -> None: ...
 
 class CreateContainerRequest(_message.Message):
     __slots__ = ("pod", "container")

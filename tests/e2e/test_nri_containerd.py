@@ -156,9 +156,10 @@ class Plugin:
     """C{twistd hostpid-nri} on the daemon's NRI socket, for the node's paths."""
 
     def __init__(self, daemon: Runtime, node: Node, log: Path,
-                 options: Sequence[str] = ()) -> None:
+                 options: Sequence[str] = (), wrapper: Sequence[str] = ()) -> None:
+        """@param wrapper: a command that execs the plugin's argv it is given after its own."""
         assert daemon.nri_socket is not None
-        self.argv = [*TWISTD, "--nodaemon", "--pidfile=", "hostpid-nri",
+        self.argv = [*wrapper, *TWISTD, "--nodaemon", "--pidfile=", "hostpid-nri",
                      "--nri-socket", str(daemon.nri_socket),
                      "--lock-parent", str(node.lock_parent),
                      "--broker-dir", str(node.broker_dir), *options]

@@ -274,6 +274,31 @@ def test_review_round_trip(webhooks: dict[str, Webhook], case: str, mode: str) -
     assert "patch" not in webhooks[mode].review(result)
 
 
+def test_reinvoked_after_a_later_webhook_added_sys_admin_it_removes_the_broker(
+        webhooks: dict[str, Webhook]) -> None:
+    """
+    A user-namespaced pod patched in mode mounts; a later webhook adds
+    C{SYS_ADMIN} to a sidecar and the API server reinvokes this one: over
+    TLS, its answer takes the broker's volumes, mounts and gate away again,
+    and the result is what the later webhook left, a valid pod.
+    """
+    original = pod(gpu("cuda"), plain("sidecar"))
+    original["spec"]["hostUsers"] = False
+    first = patched(original, webhooks["mounts"].review(original))
+    assert with_broker(first) == 1
+    later = json.loads(json.dumps(first))
+    later["spec"]["containers"][1]["securityContext"] = {"capabilities": {"add": ["SYS_ADMIN"]}}
+    response = webhooks["mounts"].review(later)
+    result = patched(later, response)
+    valid(result)
+    assert with_broker(result) == 0
+    assert result["spec"]["volumes"] == []
+    assert response["warnings"][0].startswith("hostpid broker removed: ")
+    assert result["spec"]["containers"][1] == later["spec"]["containers"][1]
+    assert result["spec"]["containers"][0]["volumeMounts"] == []
+    assert result["spec"]["containers"][0]["env"] == []
+
+
 @pytest.mark.parametrize("webhook", ["gate off", "gate not 1"])
 def test_gate_off_patches_nothing_but_removes_the_annotation(
         webhooks: dict[str, Webhook], webhook: str) -> None:
