@@ -447,7 +447,14 @@ class Containerd:
     """One private containerd with its CRI plugin, started and torn down by the test."""
 
     def __init__(self, workdir: Path, package: Path, image_tar: Path,
-                 messages: ModuleType, config_version: int = 2, nri: bool = False) -> None:
+                 messages: ModuleType, config_version: int = 2, nri: bool = False,
+                 network: dict[str, Any] | None = None, cni_plugins: tuple[str, ...] = ()
+                 ) -> None:
+        """
+        C{network} replaces L{NETWORK} (the cluster tier's pods get a
+        bridge), and each of C{cni_plugins} is linked from Debian's
+        L{CNI_BIN} beside C{loopback}.
+        """
         self.workdir = workdir
         self.bin = package / "usr" / "bin"
         self.socket = workdir / "containerd.sock"
@@ -459,11 +466,13 @@ class Containerd:
         self.cgroup_parent = f"/hostpid-cri-e2e-{uuid.uuid4().hex[:8]}"
         for sub in ("cdi", "pods", "cni/bin", "cni/net.d"):
             (workdir / sub).mkdir(parents=True, exist_ok=True)
-        (workdir / "cni" / "net.d" / "10-hostpid-e2e.conflist").write_text(json.dumps(NETWORK))
+        (workdir / "cni" / "net.d" / "10-hostpid-e2e.conflist").write_text(
+            json.dumps(network or NETWORK))
         plugin = workdir / "cni" / "bin" / "hostpid-e2e-net"
         plugin.write_text(NETWORK_PLUGIN)
         plugin.chmod(0o755)
-        (workdir / "cni" / "bin" / "loopback").symlink_to(CNI_BIN / "loopback")
+        for name in ("loopback", *cni_plugins):
+            (workdir / "cni" / "bin" / name).symlink_to(CNI_BIN / name)
         self.runc = os.path.realpath(require_tool("runc"))
         #: containerd's shims listen under C{/run/containerd/s} whatever the
         #: configuration says (runtime/v2/shim/util_unix.go C{socketRoot});
