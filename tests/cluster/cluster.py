@@ -226,14 +226,14 @@ class Cluster:
             "--authorization-mode", "Node,RBAC",
             # PodSecurity, MutatingAdmissionWebhook and the rest are on by default.
             "--enable-admission-plugins", "NodeRestriction",
-            "--allow-privileged", "true",
+            "--allow-privileged=true",
             "--kubelet-client-certificate", str(kubelet_client.cert),
             "--kubelet-client-key", str(kubelet_client.key),
             "--kubelet-certificate-authority", str(pki.ca.cert),
             "--kubelet-preferred-address-types", "InternalIP",
-            "--enable-aggregator-routing", "true",
+            "--enable-aggregator-routing=true",
             "--cert-dir", str(self.workdir / "apiserver"),
-            "--profiling", "false"])
+            "--profiling=false"])
         self._wait_apiserver()
         self._add("kube-controller-manager", [
             str(self.bin / "kube-controller-manager"),
@@ -243,17 +243,17 @@ class Cluster:
             "--bind-address", "127.0.0.1", "--secure-port", str(free_port()),
             "--service-account-private-key-file", str(service_account.key),
             "--root-ca-file", str(pki.ca.cert),
-            "--use-service-account-credentials", "true",
-            "--leader-elect", "false",
+            "--use-service-account-credentials=true",
+            "--leader-elect=false",
             "--cert-dir", str(self.workdir / "controller-manager"),
-            "--profiling", "false"])
+            "--profiling=false"])
         self._add("kube-scheduler", [
             str(self.bin / "kube-scheduler"),
             "--kubeconfig", str(scheduler),
             "--authentication-kubeconfig", str(scheduler),
             "--authorization-kubeconfig", str(scheduler),
             "--bind-address", "127.0.0.1", "--secure-port", str(free_port()),
-            "--leader-elect", "false", "--profiling", "false"])
+            "--leader-elect=false", "--profiling=false"])
         self._make_bridge()
         package = crilib.unpacked_containerd(crilib.RELEASES["2.1"].suite)
         containerd_dir = self.workdir / "containerd"
@@ -428,7 +428,8 @@ class Cluster:
         if kubelet is not None:
             kubelet.stop()
         if self.containerd is not None:
-            self._remove_sandboxes()
+            # Its close deletes what runs, kills the shims and unmounts the
+            # pods' network namespaces: each veth goes with its namespace.
             self.containerd.close()
         for name in reversed(list(self.processes)):
             self.processes[name].stop()
@@ -447,20 +448,6 @@ class Cluster:
                     pass
         subprocess.run(["rm", "-rf", "--one-file-system", "--", str(self.workdir)],
                        check=False, timeout=120)
-
-    def _remove_sandboxes(self) -> None:
-        """Each pod sandbox stopped (the CNI's DEL frees its address) and removed."""
-        client = self.containerd.client
-        try:
-            sandboxes = client.runtime("ListPodSandbox").items
-        except Exception:  # noqa: BLE001 (containerd is gone: its close cleans up)
-            return
-        for sandbox in sandboxes:
-            for method in ("StopPodSandbox", "RemovePodSandbox"):
-                try:
-                    client.runtime(method, pod_sandbox_id=sandbox.id)
-                except Exception:  # noqa: BLE001,S112 (best effort; close() kills the rest)
-                    continue
 
 
 def _mountpoints_under(directory: Path) -> list[str]:

@@ -30,13 +30,30 @@ from test_nri_containerd import GO_FILE, SCRIPT, WORKLOAD_UID
 from support import wait_for
 
 GPU = "nvidia.com/gpu"
+
+
+def _kubernetes_script(script: str) -> str:
+    """
+    The NRI test's script as a pod's command: any GPU node counts (the
+    device plugin hands out C{/dev/nvidiaN} for the N the kubelet chose,
+    not always 0), and C{$$} written C{$$$$}, because the kubelet expands
+    C{$(VAR)} in a command and turns C{$$} into C{$} (C{pkg/kubelet/container}
+    C{ExpandContainerCommandOnlyStatic}, C{third_party/forked/golang/expansion}):
+    the script would print C{$} as its PID.
+    """
+    found = script.replace("[ -c /dev/nvidia0 ]", "ls /dev/nvidia[0-9]* >/dev/null 2>&1")
+    assert found != script
+    return found.replace("$$", "$$$$")
+
+
+C_SCRIPT = _kubernetes_script(SCRIPT)
 #: The script with the project's Python client in place of the C one.
-PYTHON_SCRIPT = SCRIPT.replace("exec /bin/hostpid_client", "exec hostpid query")
-assert PYTHON_SCRIPT != SCRIPT
+PYTHON_SCRIPT = C_SCRIPT.replace("exec /bin/hostpid_client", "exec hostpid query")
+assert PYTHON_SCRIPT != C_SCRIPT
 
 
 def pod(namespace: str, prefix: str, *, gpu: bool = True, image: str = TEST_IMAGE,
-        script: str = SCRIPT, labels: Mapping[str, str] | None = None,
+        script: str = C_SCRIPT, labels: Mapping[str, str] | None = None,
         restricted: bool = True, host_users: bool | None = None) -> dict[str, Any]:
     """
     A pod Pod Security C{restricted} admits: non-root (UID 1000), no
@@ -96,19 +113,21 @@ class Run:
 
 
 def container_pid(kube: Cluster, namespace: str, name: str, timeout: float = 120.0) -> int:
-    """The host PID containerd reports for the pod's running container."""
+    """
+    The host PID containerd reports (CRI C{ContainerStatus}, verbose) for
+    the pod's running container, named by the pod's status.
+    """
     client = kube.containerd.client
-    pb = client.pb
 
     def pid() -> int:
-        listed = client.runtime("ListContainers", filter=pb.ContainerFilter(
-            label_selector={"io.kubernetes.pod.name": name,
-                            "io.kubernetes.pod.namespace": namespace}))
-        running = [c for c in listed.containers if c.state == pb.CONTAINER_RUNNING]
-        if not running:
+        status = kube.get("pod", "-n", namespace, name)["status"]
+        states = status.get("containerStatuses") or [{}]
+        if "running" not in states[0].get("state", {}):
+            assert status.get("phase") in ("Pending", "Running"), status
             return 0
-        status = client.runtime("ContainerStatus", container_id=running[0].id, verbose=True)
-        return int(json.loads(status.info["info"]).get("pid", 0))
+        container_id = states[0]["containerID"].split("://", 1)[1]
+        response = client.runtime("ContainerStatus", container_id=container_id, verbose=True)
+        return int(json.loads(response.info["info"]).get("pid", 0))
     return int(wait_for(pid, f"pod {namespace}/{name}'s container to run", timeout))  # type: ignore[call-overload]
 
 
