@@ -255,6 +255,7 @@ class Cluster:
             "--bind-address", "127.0.0.1", "--secure-port", str(free_port()),
             "--leader-elect=false", "--profiling=false"])
         self._make_bridge()
+        self._make_node_root()
         package = crilib.unpacked_containerd(crilib.RELEASES["2.1"].suite)
         containerd_dir = self.workdir / "containerd"
         containerd_dir.mkdir(mode=0o711)
@@ -355,6 +356,23 @@ class Cluster:
                      ["ip", "link", "set", BRIDGE, "up"]):
             subprocess.run(argv, check=True, capture_output=True)
             self._bridge_made = True
+
+    def _make_node_root(self) -> None:
+        """
+        The directory the node's host paths live in (the chart's broker
+        directory, lock parent): a shared mount, as every path is on a
+        systemd node (systemd makes C{/} shared at boot).  This machine's
+        C{/} is private, and there containerd refuses the NRI DaemonSet's
+        C{mountPropagation: HostToContainer} volume ("path ... is mounted on
+        / but it is not a shared or slave mount",
+        containerd 2.1 C{internal/cri/opts/spec_linux_opts.go} C{ensureSharedOrSlave}).
+        """
+        self.node_root = self.workdir / "node"
+        self.node_root.mkdir(mode=0o755)
+        subprocess.run(["mount", "--bind", str(self.node_root), str(self.node_root)],
+                       check=True, capture_output=True)
+        subprocess.run(["mount", "--make-rshared", str(self.node_root)], check=True,
+                       capture_output=True)
 
     @staticmethod
     def _prepare_cgroup_root(parent: str) -> None:

@@ -41,7 +41,7 @@ class Paths:
     """The node's private paths, as host paths the chart mounts."""
 
     def __init__(self, kube: Cluster) -> None:
-        root = kube.workdir / "node"
+        root = kube.node_root
         self.broker_dir = root / "hami" / "hostpid"
         #: The lock parent's parent (the chart mounts it, type Directory).
         self.lock_root = root / "tmp"
@@ -97,7 +97,7 @@ class Release:
     def values(self) -> Any:
         return self.config.get_values(RELEASE)
 
-    def rollout(self, kind: str, name: str, timeout: str = "300s") -> str:
+    def rollout(self, kind: str, name: str, timeout: str = "180s") -> str:
         """C{kubectl rollout status}, as the docs run it."""
         return self.kube.kubectl("-n", NAMESPACE, "rollout", "status", f"{kind}/{name}",
                                  f"--timeout={timeout}", timeout=400)
