@@ -90,7 +90,7 @@ def test_1_disabled(kube: Cluster, release: Release, images: dict[str, str]) -> 
 
 def test_1b_burst_disabled(kube: Cluster, release: Release) -> None:
     """The burst with the feature off: every client falls back at its gate."""
-    runs = burst(kube, "disabled", BURST_SCRIPT)
+    runs = burst(kube, "disabled")
     for run in runs:
         assert run.exit_code == 1 and "hostpid_client: gate: " in run.stdout, run.stdout
 
@@ -146,17 +146,86 @@ def test_2_enabled_nri_restricted(kube: Cluster, release: Release,
     assert 'uses restricted volume type "hostPath"' in refused.stderr
 
 
-BURST_SCRIPT = "exec /bin/hostpid_client"
+def test_1b_burst_disabled(kube: Cluster, release: Release) -> None:
+    """The burst with the feature off: every client falls back at its gate."""
+    runs = burst(kube, "disabled")
+    for run in runs:
+        assert run.exit_code == 1 and "hostpid_client: gate: " in run.stdout, run.stdout
 
 
-def burst(kube: Cluster, label: str, script: str) -> list[workloads.Run]:
-    """L{BURST} GPU pods created in one request; each runs the client at once."""
-    manifests = [workloads.pod(RESTRICTED, f"burst-{label}", script=script,
-                               labels={"burst": label}) for _ in range(BURST)]
+def test_2_enabled_nri_restricted(kube: Cluster, release: Release,
+                                  images: dict[str, str]) -> None:
+    """
+    docs/rollout.md step 2 then the NRI plugin's gate (docs/paths.md, its
+    first row): the restricted GPU pod's clients get their own host PIDs.
+    """
+    release.upgrade("hostPIDBroker.enabled=true")
+    print(release.rollout("daemonset", "hostpid-broker"))
+    broker = kube.get("pods", "-n", NAMESPACE, "-l",
+                      "app.kubernetes.io/name=hostpid-broker,app.kubernetes.io/component=broker")
+    # The old pod may still be terminating (it drains after the handover).
+    (pod,) = [p for p in broker["items"] if "deletionTimestamp" not in p["metadata"]]
+    assert pod["spec"]["containers"][0]["env"] == [
+        {"name": "LIBVGPU_HOSTPID_BROKER", "value": "1"}]
+    probe = kube.kubectl("-n", NAMESPACE, "exec", pod["metadata"]["name"], "--",
+                         "hostpid", "probe", "--socket",
+                         f"{release.paths.broker_dir}/broker.sock")
+    print(probe)
+    assert ": ok: answered PID" in probe
+    release.upgrade("nri.gate=true")
+    print(release.rollout("daemonset", "hostpid-nri"))
+
+    run = workloads.run(kube, workloads.pod(RESTRICTED, "enabled"))
+    assert run.facts() == {"ns-pid": "1", "gate": "1", "broker-mounts": "1",
+                           "uid": "1000", "gpu": "present", "socket": "present"}, run.stdout
+    assert run.exit_code == 0, run.stdout
+    assert run.nspid == (run.host_pid, 1)
+    assert run.answer() == (run.host_pid, 1)
+
+    python = workloads.run(kube, project_pod(RESTRICTED, "enabled-python", images))
+    assert python.exit_code == 0, python.stdout
+    assert python.nspid == (python.host_pid, 1)
+    assert python.answer() == (python.host_pid,)
+
+    nothing = workloads.run(kube, workloads.pod(RESTRICTED, "no-gpu", gpu=False))
+    assert nothing.facts() == {"ns-pid": "1", "gate": "unset", "broker-mounts": "0",
+                               "uid": "1000", "gpu": "absent", "socket": "absent"}
+    assert nothing.exit_code == 1 and "hostpid_client: gate: " in nothing.stdout
+
+    host_path = workloads.pod(RESTRICTED, "host-path")
+    host_path["spec"]["volumes"] = [{"name": "broker", "hostPath": {
+        "path": str(release.paths.broker_dir)}}]
+    host_path["spec"]["containers"][0]["volumeMounts"] = [
+        {"name": "broker", "mountPath": "/tmp/vgpulock/hostpid", "readOnly": True}]
+    refused = kube.create(host_path)
+    print(refused.stderr)
+    assert refused.returncode != 0
+    assert "violates PodSecurity \"restricted:" in refused.stderr
+    assert 'uses restricted volume type "hostPath"' in refused.stderr
+
+
+def burst(kube: Cluster, label: str) -> list[workloads.Run]:
+    """
+    L{BURST} GPU pods created in one request.  Each workload is given its
+    go-ahead as soon as the host's C{/proc} shows it (so its host PID is
+    read from the host while it lives); creation to first answer is from
+    the create request to the client's line in the pod's log (the CRI log's
+    own timestamp).
+    """
+    manifests = [workloads.pod(RESTRICTED, f"burst-{label}", labels={"burst": label})
+                 for _ in range(BURST)]
     started = time.time()
-    created = kube.kubectl_run("create", "-f", "-", input="\n---\n".join(
-        json.dumps(m) for m in manifests))
+    created = kube.kubectl_run("create", "-o", "json", "-f", "-", input=json.dumps(
+        {"apiVersion": "v1", "kind": "List", "items": manifests}))
     assert created.returncode == 0, created.stderr
+    # kubectl prints each created object as a JSON document of its own.
+    items, text, decoder = [], created.stdout.strip(), json.JSONDecoder()
+    while text:
+        item, end = decoder.raw_decode(text)
+        items.append(item)
+        text = text[end:].strip()
+    uids = {item["metadata"]["uid"]: item["metadata"]["name"] for item in items}
+    host_pids = workloads.release_each(uids)
 
     def finished() -> bool:
         pods = kube.get("pods", "-n", RESTRICTED, "-l", f"burst={label}")["items"]
@@ -169,17 +238,12 @@ def burst(kube: Cluster, label: str, script: str) -> list[workloads.Run]:
         name = manifest["metadata"]["name"]
         current = kube.get("pod", "-n", RESTRICTED, name)
         (state,) = current["status"]["containerStatuses"]
-        stamped = kube.kubectl("logs", "--timestamps", "-n", RESTRICTED, name)
-        lines = stamped.splitlines()
-        last = lines[-1].split(" ", 1)
-        at = datetime.fromisoformat(last[0].replace("Z", "+00:00")).timestamp()
-        seconds.append(at - started)
+        lines = kube.kubectl("logs", "--timestamps", "-n", RESTRICTED, name).splitlines()
+        stamp = lines[-1].split(" ", 1)[0]
+        seconds.append(datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+                       - started)
         stdout = "".join(line.split(" ", 1)[1] + "\n" for line in lines)
-        container_id = state["containerID"].split("://", 1)[1]
-        info = kube.containerd.client.runtime("ContainerStatus", container_id=container_id,
-                                              verbose=True).info["info"]
-        pid = int(json.loads(info).get("pid", 0))
-        runs.append(workloads.Run(name, pid, (), current["status"]["phase"],
+        runs.append(workloads.Run(name, host_pids[name], (), current["status"]["phase"],
                                   state["state"]["terminated"]["exitCode"], stdout, current))
     kube.kubectl("delete", "pods", "-n", RESTRICTED, "-l", f"burst={label}", "--wait=false")
     ordered = sorted(seconds)
@@ -190,7 +254,7 @@ def burst(kube: Cluster, label: str, script: str) -> list[workloads.Run]:
 
 
 def test_3_burst_enabled(kube: Cluster, release: Release) -> None:
-    runs = burst(kube, "enabled", BURST_SCRIPT)
+    runs = burst(kube, "enabled")
     for run in runs:
         assert run.exit_code == 0, run.stdout
         assert run.answer() == (run.host_pid, 1), (run.name, run.host_pid, run.stdout)

@@ -168,3 +168,51 @@ def finish(kube: Cluster, manifest: Mapping[str, Any], timeout: float = 120.0) -
 def run(kube: Cluster, manifest: Mapping[str, Any], timeout: float = 120.0) -> Run:
     start(kube, manifest)
     return finish(kube, manifest, timeout)
+
+
+def _workload_processes(uids: Mapping[str, str]) -> dict[str, int]:
+    """
+    Host PIDs of the workload containers' init (C{/bin/sh -c SCRIPT}, PID 1
+    in its namespace) of the pods whose UIDs are given, found in the host's
+    C{/proc}: the pod's cgroup (C{.../pod<UID>/...}, the kubelet's cgroupfs
+    naming) and C{NSpid}; the sandbox's init (the image's C{sleep}) is not
+    one.
+    """
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cgroup = (entry / "cgroup").read_text()
+            if "/pod" not in cgroup:
+                continue
+            uid = next((u for u in uids if f"/pod{u}/" in cgroup), None)
+            if uid is None:
+                continue
+            if not (entry / "cmdline").read_bytes().startswith(b"/bin/sh\0-c\0"):
+                continue
+            if nspid(int(entry.name))[1:] == (1,):
+                found[uid] = int(entry.name)
+        except (OSError, AssertionError):
+            continue
+    return found
+
+
+def release_each(uids: Mapping[str, str], timeout: float = 300.0) -> dict[str, int]:
+    """
+    Each pod's workload, found in the host's C{/proc} as soon as it runs,
+    given its go-ahead at once; their host PIDs by pod name.
+    """
+    released: dict[str, int] = {}
+
+    def all_released() -> bool:
+        for uid, pid in _workload_processes(uids).items():
+            if uids[uid] not in released:
+                try:
+                    Path(f"/proc/{pid}/root{GO_FILE}").touch()
+                except OSError:
+                    continue
+                released[uids[uid]] = pid
+        return len(released) == len(uids)
+    wait_for(all_released, f"{len(uids)} workloads to start", timeout)
+    return released
