@@ -422,24 +422,47 @@ def test_6_webhook(kube: Cluster, release: Release) -> None:
     print(release.rollout("deployment", "hostpid-webhook"))
 
 
+def nri_ready(kube: Cluster) -> bool:
+    """The NRI plugin's C{/readyz} (ready once the runtime configured it), on its pod IP."""
+    import urllib.error
+    import urllib.request
+
+    pods = kube.get("pods", "-n", NAMESPACE, "-l", "app.kubernetes.io/component=nri-plugin")["items"]
+    ips = [p["status"].get("podIP") for p in pods if "deletionTimestamp" not in p["metadata"]]
+    if len(ips) != 1 or not ips[0]:
+        return False
+    try:
+        with urllib.request.urlopen(f"http://{ips[0]}:9396/readyz", timeout=2) as response:
+            return bool(response.status == 200)
+    except (OSError, urllib.error.URLError):
+        return False
+
+
 def test_8_node_restart(kube: Cluster, release: Release) -> None:
     """
     containerd and the kubelet stopped and started again: the chart's pods
-    come back Ready, and GPU containers created from the first moment are
-    counted with or without the NRI adjustment.
+    come back Ready; GPU pods created from the restart on, until the NRI
+    plugin is ready again and 10 more have been created, are counted with
+    or without the NRI adjustment.
     """
+    assert nri_ready(kube)
     kube.processes["kubelet"].stop()
     kube.containerd.restart()
     kube.processes["kubelet"].start()
     stream = Stream(kube, "restart", interval=0.2)
+    wait_for(lambda: nri_ready(kube), "the NRI plugin to be ready again", 120.0)
+    count = len(stream.names)
+    wait_for(lambda: len(stream.names) >= count + 10, "10 more GPU pods", 120.0)
+    gates = stream.stop()
     kube.wait_node_ready()
     for kind, name in (("daemonset", "hostpid-broker"), ("daemonset", "hostpid-nri"),
                        ("deployment", "hostpid-webhook")):
-        print(release.rollout(kind, name))
-    gates = stream.stop()
+        if kube.kubectl_run("-n", NAMESPACE, "get", kind, name).returncode == 0:
+            print(release.rollout(kind, name))
     unadjusted = [name for name, gate in gates.items() if gate != "1"]
-    print(f"\n[cluster] node restart: {len(gates)} GPU pods created from the restart on, "
-          f"{len(unadjusted)} before the NRI plugin registered again")
+    print(f"\n[cluster] node restart: {len(gates)} GPU pods created from the restart on "
+          f"({count} before the NRI plugin was ready again), {len(unadjusted)} without "
+          "the adjustment")
     run = workloads.run(kube, workloads.pod(RESTRICTED, "after-restart"))
     assert run.exit_code == 0 and run.answer() == (run.host_pid, 1), run.stdout
 
