@@ -50,10 +50,9 @@ from types import ModuleType
 from typing import Any
 
 import attrs
+import components
 import yaml
 from pki import Pki
-
-import components
 from support import wait_for
 
 #: The pods' bridge, its range and the node's address on it.

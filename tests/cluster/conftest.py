@@ -97,7 +97,6 @@ def gpus(kube: object, deviceplugin_messages: ModuleType) -> Iterator[object]:
     """The device plugin, device-node mode, registered; the node shows its GPUs."""
     from cluster import NODE_NAME, Cluster
     from deviceplugin import DevicePlugin
-
     from support import wait_for
 
     assert isinstance(kube, Cluster)

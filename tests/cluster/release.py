@@ -16,7 +16,6 @@ from typing import Any
 
 import helm_python as helm
 from cluster import Cluster
-
 from support import REPO
 
 CHART = REPO / "deploy" / "helm" / "hostpid-broker"

@@ -41,7 +41,6 @@ import workloads
 from cluster import Cluster
 from deviceplugin import DevicePlugin
 from release import NAMESPACE, Release
-
 from support import wait_for
 
 RESTRICTED = "gpu-restricted"
@@ -86,64 +85,6 @@ def test_1_disabled(kube: Cluster, release: Release, images: dict[str, str]) -> 
                            "uid": "1000", "gpu": "present", "socket": "absent"}, run.stdout
     assert run.exit_code == 1 and "hostpid_client: gate: " in run.stdout, run.stdout
     assert run.answer() is None
-
-
-def test_1b_burst_disabled(kube: Cluster, release: Release) -> None:
-    """The burst with the feature off: every client falls back at its gate."""
-    runs = burst(kube, "disabled")
-    for run in runs:
-        assert run.exit_code == 1 and "hostpid_client: gate: " in run.stdout, run.stdout
-
-
-def test_2_enabled_nri_restricted(kube: Cluster, release: Release,
-                                  images: dict[str, str]) -> None:
-    """
-    docs/rollout.md step 2 then the NRI plugin's gate (docs/paths.md, its
-    first row): the restricted GPU pod's clients get their own host PIDs.
-    """
-    release.upgrade("hostPIDBroker.enabled=true")
-    print(release.rollout("daemonset", "hostpid-broker"))
-    broker = kube.get("pods", "-n", NAMESPACE, "-l",
-                      "app.kubernetes.io/name=hostpid-broker,app.kubernetes.io/component=broker")
-    # The old pod may still be terminating (it drains after the handover).
-    (pod,) = [p for p in broker["items"] if "deletionTimestamp" not in p["metadata"]]
-    assert pod["spec"]["containers"][0]["env"] == [
-        {"name": "LIBVGPU_HOSTPID_BROKER", "value": "1"}]
-    probe = kube.kubectl("-n", NAMESPACE, "exec", pod["metadata"]["name"], "--",
-                         "hostpid", "probe", "--socket",
-                         f"{release.paths.broker_dir}/broker.sock")
-    print(probe)
-    assert ": ok: answered PID" in probe
-    release.upgrade("nri.gate=true")
-    print(release.rollout("daemonset", "hostpid-nri"))
-
-    run = workloads.run(kube, workloads.pod(RESTRICTED, "enabled"))
-    assert run.facts() == {"ns-pid": "1", "gate": "1", "broker-mounts": "1",
-                           "uid": "1000", "gpu": "present", "socket": "present"}, run.stdout
-    assert run.exit_code == 0, run.stdout
-    assert run.nspid == (run.host_pid, 1)
-    assert run.answer() == (run.host_pid, 1)
-
-    python = workloads.run(kube, project_pod(RESTRICTED, "enabled-python", images))
-    assert python.exit_code == 0, python.stdout
-    assert python.nspid == (python.host_pid, 1)
-    assert python.answer() == (python.host_pid,)
-
-    nothing = workloads.run(kube, workloads.pod(RESTRICTED, "no-gpu", gpu=False))
-    assert nothing.facts() == {"ns-pid": "1", "gate": "unset", "broker-mounts": "0",
-                               "uid": "1000", "gpu": "absent", "socket": "absent"}
-    assert nothing.exit_code == 1 and "hostpid_client: gate: " in nothing.stdout
-
-    host_path = workloads.pod(RESTRICTED, "host-path")
-    host_path["spec"]["volumes"] = [{"name": "broker", "hostPath": {
-        "path": str(release.paths.broker_dir)}}]
-    host_path["spec"]["containers"][0]["volumeMounts"] = [
-        {"name": "broker", "mountPath": "/tmp/vgpulock/hostpid", "readOnly": True}]
-    refused = kube.create(host_path)
-    print(refused.stderr)
-    assert refused.returncode != 0
-    assert "violates PodSecurity \"restricted:" in refused.stderr
-    assert 'uses restricted volume type "hostPath"' in refused.stderr
 
 
 def test_1b_burst_disabled(kube: Cluster, release: Release) -> None:
@@ -427,7 +368,8 @@ def nri_ready(kube: Cluster) -> bool:
     import urllib.error
     import urllib.request
 
-    pods = kube.get("pods", "-n", NAMESPACE, "-l", "app.kubernetes.io/component=nri-plugin")["items"]
+    pods = kube.get("pods", "-n", NAMESPACE, "-l",
+                    "app.kubernetes.io/component=nri-plugin")["items"]
     ips = [p["status"].get("podIP") for p in pods if "deletionTimestamp" not in p["metadata"]]
     if len(ips) != 1 or not ips[0]:
         return False

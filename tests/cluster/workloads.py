@@ -25,9 +25,8 @@ from typing import Any
 import attrs
 from cluster import Cluster
 from crilib import IMAGE as TEST_IMAGE
-from test_nri_containerd import GO_FILE, SCRIPT, WORKLOAD_UID
-
 from support import wait_for
+from test_nri_containerd import GO_FILE, SCRIPT, WORKLOAD_UID
 
 GPU = "nvidia.com/gpu"
 
