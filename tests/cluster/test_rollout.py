@@ -346,6 +346,21 @@ def test_6_webhook(kube: Cluster, release: Release) -> None:
     assert run.exit_code == 0, run.stdout
     assert run.answer() == (run.host_pid, 1)
 
+    # docs/userns.md: a user-namespaced pod that adds SYS_ADMIN gets no
+    # broker volume (its kubelet would idmap it, and its root could remount
+    # it writable); the API server admits it with the webhook's warning.
+    userns = workloads.pod(PRIVILEGED, "userns-sys-admin", restricted=False, host_users=False,
+                           labels={"hostpid.hami.io/nri": "disabled"})
+    userns["spec"]["containers"][0]["securityContext"] = {
+        "capabilities": {"add": ["SYS_ADMIN"]}}
+    created = kube.create(userns)
+    assert created.returncode == 0, created.stderr
+    print(f"\n[cluster] hostUsers: false with SYS_ADMIN: {created.stderr.strip()}")
+    assert "SYS_ADMIN" in created.stderr, created.stderr
+    stored = kube.get("pod", "-n", PRIVILEGED, userns["metadata"]["name"])
+    assert not any("hostPath" in v for v in stored["spec"].get("volumes", [])), stored["spec"]
+    kube.kubectl("-n", PRIVILEGED, "delete", "pod", userns["metadata"]["name"], "--wait=false")
+
     kube.kubectl("-n", NAMESPACE, "scale", "deployment/hostpid-webhook", "--replicas=0")
     wait_for(lambda: not kube.get("pods", "-n", NAMESPACE, "-l",
                                   "app.kubernetes.io/component=webhook")["items"],
