@@ -67,6 +67,9 @@ NODE_LABELS = "gpu=on"
 
 START_TIMEOUT = 180.0
 
+#: The file naming the process (PID and start time) that owns a run's directory.
+OWNER = "owner"
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -155,6 +158,8 @@ class Cluster:
         self._bridge_made = False
         self.kubeconfig = self.workdir / "admin.kubeconfig"
         self.versions: Mapping[str, str] = {}
+        self.closed = False
+        (self.workdir / OWNER).write_text(f"{os.getpid()} {_start_time(os.getpid())}\n")
 
     # -- start ---------------------------------------------------------------
 
@@ -168,6 +173,7 @@ class Cluster:
     def _start(self) -> None:
         import crilib
 
+        reap_stale(current=self.workdir)
         self.bin = components.kubernetes(self.version) / "bin"
         etcd_bin = components.etcd() / "usr" / "bin" / "etcd"
         self.versions = components.versions(self.bin, etcd_bin)
@@ -262,6 +268,7 @@ class Cluster:
             containerd_dir, package, self.cri_image, self.cri_messages,
             crilib.RELEASES["2.1"].config_version, nri=True, network=network(),
             cni_plugins=("bridge", "host-local"))
+        (self.workdir / "cgroup-root").write_text(self.containerd.cgroup_parent)
         self._prepare_cgroup_root(self.containerd.cgroup_parent)
         self.kubelet_root = self.workdir / "kubelet"
         self.kubelet_root.mkdir(mode=0o711)
@@ -346,6 +353,8 @@ class Cluster:
             missing.append(path)
         DEVICE_PLUGIN_DIR.mkdir(parents=True, exist_ok=True)
         self._made = list(missing)  # deepest first
+        # For reap_stale, should this run end before its teardown.
+        (self.workdir / "made").write_text("".join(f"{path}\n" for path in missing))
 
     def _make_bridge(self) -> None:
         if subprocess.run(["ip", "link", "show", BRIDGE], capture_output=True).returncode == 0:
@@ -440,7 +449,10 @@ class Cluster:
     # -- stop ----------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop everything, remove every pod's sandbox (CNI DEL), unmount, remove."""
+        """Stop everything, unmount, remove (once: a second call does nothing)."""
+        if self.closed:
+            return
+        self.closed = True
         kubelet = self.processes.pop("kubelet", None)
         if kubelet is not None:
             kubelet.stop()
@@ -492,3 +504,100 @@ def elapsed(since: float) -> float:
 def iter_logs(cluster: Cluster) -> Iterator[tuple[str, str]]:
     for name, process in cluster.processes.items():
         yield name, process.tail(80)
+
+
+def _start_time(pid: int) -> str:
+    """A process's start time (C{/proc/PID/stat} field 22): with its PID, its identity."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _owner_alive(workdir: Path) -> bool:
+    try:
+        pid, started = (workdir / OWNER).read_text().split()
+        return _start_time(int(pid)) == started
+    except (OSError, ValueError):
+        return False
+
+
+def reap_stale(root: Path = Path("/tmp"), current: Path | None = None) -> list[Path]:
+    """
+    Tear down what a run killed before its teardown left (the per-test cap
+    ends the process with C{os._exit}): for each of this tier's directories
+    whose owner is gone, its components and containers are killed, its
+    mounts unmounted, its directory removed, and the bridge and device
+    plugin directory it made are removed.  A live run's directory is left
+    alone (C{current}: the calling run's own).
+    """
+    from deviceplugin import DEVICE_PLUGIN_DIR, KUBELET_SOCKET
+
+    reaped = []
+    stale_made: list[Path] = []
+    for workdir in sorted(root.glob("hostpid-cluster-*")):
+        if not (workdir / OWNER).is_file() or _owner_alive(workdir):
+            continue
+        marker = str(workdir)
+        runc_root = workdir / "containerd" / "runc" / "k8s.io"
+        runc = shutil.which("runc")
+        for container_id in os.listdir(runc_root) if runc_root.is_dir() and runc else []:
+            subprocess.run([str(runc), "--root", str(runc_root), "delete", "--force",
+                            container_id], capture_output=True, timeout=60, check=False)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in _pids_naming(marker):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            try:
+                wait_for(lambda marker=marker: not _pids_naming(marker),  # type: ignore[misc]
+                         f"{marker}'s processes to exit", 15.0)
+                break
+            except AssertionError:
+                continue
+        cgroup = workdir / "cgroup-root"
+        made = workdir / "made"
+        made_paths = made.read_text().split() if made.is_file() else []
+        for point in sorted(_mountpoints_under(workdir), key=len, reverse=True):
+            subprocess.run(["umount", "-l", point], check=False, capture_output=True)
+        if cgroup.is_file():
+            _remove_cgroup_tree(cgroup.read_text().strip())
+        subprocess.run(["rm", "-rf", "--one-file-system", "--", marker], check=False,
+                       timeout=120)
+        reaped.append(workdir)
+        stale_made.extend(Path(p) for p in made_paths)
+    if reaped:
+        if not any(_owner_alive(w) for w in root.glob("hostpid-cluster-*") if w != current):
+            subprocess.run(["ip", "link", "del", BRIDGE], check=False, capture_output=True)
+            if KUBELET_SOCKET.exists() or KUBELET_SOCKET.is_symlink():
+                shutil.rmtree(DEVICE_PLUGIN_DIR, ignore_errors=True)
+            for path in stale_made:  # what a stale run made, deepest first, if empty
+                try:
+                    path.rmdir()
+                except OSError:
+                    pass
+        print(f"cluster: reaped the stale runs {[str(w) for w in reaped]}")
+    return reaped
+
+
+def _pids_naming(marker: str) -> list[int]:
+    from crilib import _pids_naming as naming
+
+    return naming(marker)
+
+
+def _remove_cgroup_tree(parent: str) -> None:
+    root = Path("/sys/fs/cgroup")
+    for hierarchy in root.iterdir():
+        top = hierarchy / parent.lstrip("/")
+        if not top.is_dir():
+            continue
+        for directory in sorted((p for p in top.rglob("*") if p.is_dir()),
+                                key=lambda p: len(p.parts), reverse=True):
+            try:
+                directory.rmdir()
+            except OSError:
+                pass
+        try:
+            top.rmdir()
+        except OSError:
+            pass

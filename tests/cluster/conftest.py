@@ -29,12 +29,37 @@ for path in (HERE, HERE.parent / "e2e"):
 import crilib  # noqa: E402
 from support import require_root, skip_or_fail  # noqa: E402
 
+#: The per-test cap (tests/budget.py) of the tier's tests: the first one pays,
+#: in its setup, for the Kubernetes build and the image build when the cache
+#: is cold (about 8 and 10 minutes on 2 cores); every wait inside a test has
+#: its own, shorter bound.
+CAP = 1500
+
+
+def in_tier(item: pytest.Item | None) -> bool:
+    return item is not None and HERE in Path(str(item.fspath)).resolve().parents
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if HERE in Path(str(item.fspath)).resolve().parents:
+        if in_tier(item):
             item.add_marker(pytest.mark.cluster)
             item.add_marker(pytest.mark.privileged)
+            item.add_marker(pytest.mark.cap(CAP))
+
+
+#: What stops the node: called when the run leaves the tier, so the rest of
+#: the suite does not share two cores with a running Kubernetes.
+_closers: list[object] = []
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    if in_tier(item) and not in_tier(nextitem):
+        while _closers:
+            close = _closers.pop()
+            assert callable(close)
+            close()
 
 
 @pytest.fixture(scope="session")
@@ -69,6 +94,7 @@ def kube(cluster_test_image: Path, cluster_cri_messages: ModuleType) -> Iterator
 
     node = Cluster(cluster_test_image, cluster_cri_messages)
     node.start()
+    _closers.append(node.close)
     try:
         yield node
     finally:
@@ -102,6 +128,7 @@ def gpus(kube: object, deviceplugin_messages: ModuleType) -> Iterator[object]:
     assert isinstance(kube, Cluster)
     plugin = DevicePlugin(deviceplugin_messages, kube.workdir / "dev", GPU_COUNT, "devices")
     plugin.start()
+    _closers.append(plugin.stop)
     try:
         wait_for(lambda: kube.get("node", NODE_NAME)["status"].get("allocatable", {})
                  .get("nvidia.com/gpu") == str(GPU_COUNT),
