@@ -60,6 +60,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
             close = _closers.pop()
             assert callable(close)
             close()
+        print(f"\ncluster: the node is stopped after {item.nodeid}")
 
 
 @pytest.fixture(scope="session")
