@@ -310,7 +310,7 @@ def test_4_rolled_forward(kube: Cluster, release: Release, images: dict[str, str
     total, failed = failures(lines)
     unadjusted = sorted(name for name, gate in gates.items() if gate != "1")
     print(f"\n[cluster] roll forward: {total} queries, {failed} failed; "
-          f"{len(gates)} GPU pods created during the NRI rollout, "
+          f"{len(gates)} GPU pods created during the two rollouts, "
           f"{len(unadjusted)} without the adjustment")
     assert failed == 0, [line for v in lines.values() for line in v if not line.startswith("ok")]
     for name, pid in loop.pids.items():
