@@ -497,15 +497,20 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
 {nri}"""
 
 
-def write_network(cni: Path) -> None:
-    """L{NETWORK} and its plugin, with Debian's C{loopback}, under C{cni} (C{net.d}, C{bin})."""
+def write_network(cni: Path, network: dict[str, Any] | None = None,
+                  cni_plugins: tuple[str, ...] = ()) -> None:
+    """
+    C{network} (L{NETWORK} unless told) and its plugin, with Debian's
+    C{loopback} and C{cni_plugins}, under C{cni} (C{net.d}, C{bin}).
+    """
     for sub in ("bin", "net.d"):
         (cni / sub).mkdir(parents=True, exist_ok=True)
-    (cni / "net.d" / "10-hostpid-e2e.conflist").write_text(json.dumps(NETWORK))
+    (cni / "net.d" / "10-hostpid-e2e.conflist").write_text(json.dumps(network or NETWORK))
     plugin = cni / "bin" / "hostpid-e2e-net"
     plugin.write_text(NETWORK_PLUGIN)
     plugin.chmod(0o755)
-    (cni / "bin" / "loopback").symlink_to(CNI_BIN / "loopback")
+    for name in ("loopback", *cni_plugins):
+        (cni / "bin" / name).symlink_to(CNI_BIN / name)
 
 
 def _mountpoints_under(directory: Path) -> list[str]:
@@ -538,7 +543,14 @@ class Containerd:
 
     def __init__(self, workdir: Path, package: Path, image_tar: Path,
                  messages: ModuleType, config_version: int = 2, nri: bool = False,
-                 runc: str | None = None) -> None:
+                 runc: str | None = None, network: dict[str, Any] | None = None,
+                 cni_plugins: tuple[str, ...] = ()) -> None:
+        """
+        C{runc}: the OCI runtime (the host's runc unless told); C{network}
+        replaces L{NETWORK} (the cluster tier's pods get a bridge), and each
+        of C{cni_plugins} is linked from Debian's L{CNI_BIN} beside
+        C{loopback}.
+        """
         self.workdir = workdir
         #: An unpacked Debian package's C{usr/bin}, or a build's C{bin}.
         self.bin = package / "usr" / "bin" if (package / "usr").is_dir() else package / "bin"
@@ -553,7 +565,7 @@ class Containerd:
         self.cgroup_parent = f"/hostpid-cri-e2e-{uuid.uuid4().hex[:8]}"
         for sub in ("cdi", "pods"):
             (workdir / sub).mkdir(parents=True, exist_ok=True)
-        write_network(workdir / "cni")
+        write_network(workdir / "cni", network, cni_plugins)
         #: The OCI runtime containerd runs (the host's runc unless told).
         self.runc = runc or os.path.realpath(require_tool("runc"))
         #: containerd's shims listen under C{/run/containerd/s} whatever the

@@ -1,0 +1,209 @@
+"""
+The Kubernetes components of the cluster tier, built or fetched once into
+the cache directory the kernel matrix uses (L{kernels.debian.CACHE}), keyed
+by version, and never installed on the host.
+
+- C{kube-apiserver}, C{kube-controller-manager}, C{kube-scheduler},
+  C{kubelet} and C{kubectl} are built from the Go module proxy at one
+  release: a module of our own requires C{k8s.io/kubernetes} at
+  L{KUBERNETES_VERSION} and replaces every staging module
+  (C{k8s.io/api}, C{k8s.io/client-go}, ...) by its published C{v0.X.Y}
+  release.  The list of staging modules is k8s.io/kubernetes's own: its
+  C{go.mod} (read from the proxy with C{go mod download -json}) replaces each
+  with C{./staging/src/k8s.io/NAME}, a path that exists only in its Git tree,
+  which is why a plain C{go install k8s.io/kubernetes/cmd/kubelet@v1.36.3}
+  fails.  The version is stamped the way the project's own build stamps it
+  (C{hack/lib/version.sh} C{kube::version::ldflags}: C{-X} on
+  C{k8s.io/component-base/version}), so each component reports its release.
+- etcd is Debian forky's C{etcd-server}, fetched and unpacked as the kernels
+  and containerd are (L{crilib.unpacked_package}).
+
+A build goes to a temporary directory beside its final place and is renamed
+into place only once every binary exists, so a build killed half-way leaves
+nothing that a later run would take for complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+from kernels.debian import CACHE
+
+#: The Kubernetes release the tier runs (user namespaces and DRA GA).
+KUBERNETES_VERSION = "v1.36.3"
+
+#: The commands built, in the order they are started.
+COMMANDS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "kubectl")
+
+#: etcd: Debian forky's package (3.5 at the time of writing; Kubernetes 1.36
+#: supports etcd 3.5 and 3.6).
+ETCD_SUITE = "forky"
+ETCD_PACKAGE = "etcd-server"
+
+#: A build of five large Go commands on two cores, cold: generous.
+BUILD_TIMEOUT = 3 * 3600
+
+
+def staging_version(version: str) -> str:
+    """C{v1.36.3} -> C{v0.36.3}: the tag every staging module is published under."""
+    match = re.fullmatch(r"v1\.(\d+)\.(\d+)", version)
+    if match is None:
+        raise ValueError(f"not a Kubernetes release: {version!r}")
+    return f"v0.{match.group(1)}.{match.group(2)}"
+
+
+def staging_modules(upstream_go_mod: str) -> list[str]:
+    """
+    The modules k8s.io/kubernetes's C{go.mod} replaces by a directory of its
+    own tree (C{k8s.io/api => ./staging/src/k8s.io/api}), in its order.
+    """
+    modules = []
+    for line in upstream_go_mod.splitlines():
+        match = re.match(r"^\s*(?:replace\s+)?(\S+)\s+=>\s+\./staging/src/(\S+)\s*$", line)
+        if match is not None:
+            modules.append(match.group(1))
+    if not modules:
+        raise ValueError("k8s.io/kubernetes's go.mod replaces no staging module")
+    return modules
+
+
+def go_mod(version: str, upstream_go_mod: str, go_version: str) -> str:
+    """
+    The build module's C{go.mod}: requires k8s.io/kubernetes at C{version}
+    and replaces each of its staging modules by the matching release.
+    """
+    target = staging_version(version)
+    replaces = "".join(f"\t{module} => {module} {target}\n"
+                       for module in staging_modules(upstream_go_mod))
+    return (f"module hostpid.test/k8sbuild\n\ngo {go_version}\n\n"
+            f"require k8s.io/kubernetes {version}\n\nreplace (\n{replaces})\n")
+
+
+def tools_go() -> str:
+    """A file that imports each command, so that C{go mod tidy} keeps what they need."""
+    imports = "".join(f'\t_ "k8s.io/kubernetes/cmd/{command}"\n' for command in COMMANDS)
+    return f"//go:build tools\n\npackage tools\n\nimport (\n{imports})\n"
+
+
+def ldflags(version: str) -> str:
+    """
+    The version stamp C{hack/lib/version.sh} gives a release build
+    (C{kube::version::ldflags}), without the build date, so that two builds
+    of one release are the same.
+    """
+    major, minor = version.lstrip("v").split(".")[:2]
+    package = "k8s.io/component-base/version"
+    stamps = {"gitVersion": version, "gitMajor": major, "gitMinor": minor,
+              "gitTreeState": "clean"}
+    return " ".join(f"-X {package}.{name}={value}" for name, value in stamps.items())
+
+
+def build_argv(version: str, out: str) -> list[str]:
+    """The C{go build} command line (static, paths trimmed, stamped)."""
+    return ["go", "build", "-trimpath", f"-ldflags={ldflags(version)}", "-o", out,
+            *(f"k8s.io/kubernetes/cmd/{command}" for command in COMMANDS)]
+
+
+def go_env(workdir: Path) -> dict[str, str]:
+    """
+    The Go toolchain's environment: the machine's Go and its module and
+    build caches (a rebuild of the same flags is a cache hit), no cgo (the
+    release binaries are static too), the module proxy only.
+    """
+    env = {key: value for key, value in os.environ.items()
+           if key in ("PATH", "HOME", "GOPATH", "GOCACHE", "GOMODCACHE", "GOPROXY",
+                      "GONOSUMDB", "GOSUMDB", "GOTOOLCHAIN", "http_proxy", "https_proxy",
+                      "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "no_proxy")}
+    env.setdefault("HOME", "/root")
+    env.update(CGO_ENABLED="0", GOFLAGS="", GOWORK="off", PWD=str(workdir))
+    return env
+
+
+def _go(workdir: Path, *args: str, timeout: float = 1800) -> str:
+    result = subprocess.run(["go", *args], cwd=workdir, env=go_env(workdir),
+                            capture_output=True, text=True, timeout=timeout, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"go {' '.join(args)} failed ({result.returncode}):\n"
+                           f"{result.stderr[-4000:]}")
+    return result.stdout
+
+
+def go_version() -> str:
+    """The machine's Go (C{go1.26.8} -> C{1.26.0}), the module's C{go} line."""
+    output = subprocess.run(["go", "env", "GOVERSION"], capture_output=True, text=True,
+                            check=True, timeout=60).stdout.strip()
+    match = re.match(r"go(\d+)\.(\d+)", output)
+    if match is None:
+        raise RuntimeError(f"cannot read Go's version from {output!r}")
+    return f"{match.group(1)}.{match.group(2)}.0"
+
+
+def kubernetes_dir(version: str = KUBERNETES_VERSION, cache: Path = CACHE) -> Path:
+    return cache / f"kubernetes-{version}"
+
+
+def kubernetes(version: str = KUBERNETES_VERSION, cache: Path = CACHE) -> Path:
+    """
+    The directory holding the built commands (C{bin/}) and the module they
+    were built from (C{go.mod}, C{go.sum}): built on the first call for
+    C{version}, reused afterwards.
+    """
+    final = kubernetes_dir(version, cache)
+    if (final / ".complete").is_file():
+        return final
+    if shutil.which("go") is None:
+        raise RuntimeError("building Kubernetes needs Go on PATH (1.26 or newer)")
+    cache.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".kubernetes-{version}-", dir=cache))
+    try:
+        download = json.loads(_go(work.parent, "mod", "download", "-json",
+                                  f"k8s.io/kubernetes@{version}"))
+        upstream = Path(download["GoMod"]).read_text()
+        (work / "go.mod").write_text(go_mod(version, upstream, go_version()))
+        (work / "tools.go").write_text(tools_go())
+        _go(work, "mod", "tidy")
+        _go(work, *build_argv(version, "bin/")[1:], timeout=BUILD_TIMEOUT)
+        missing = [command for command in COMMANDS if not (work / "bin" / command).is_file()]
+        if missing:
+            raise RuntimeError(f"go build left no {', '.join(missing)} in {work / 'bin'}")
+        (work / ".complete").touch()
+        try:
+            work.rename(final)
+        except OSError:
+            # Another run finished first: use its build.
+            if not (final / ".complete").is_file():
+                raise
+    finally:
+        if work.exists():
+            shutil.rmtree(work, ignore_errors=True)
+    return final
+
+
+def etcd() -> Path:
+    """The directory forky's etcd-server is unpacked in (its binary: C{usr/bin/etcd})."""
+    from crilib import unpacked_package
+
+    return unpacked_package(ETCD_SUITE, ETCD_PACKAGE)
+
+
+def versions(kubernetes_bin: Path, etcd_bin: Path) -> Mapping[str, str]:
+    """Each component's own account of its version, as it prints it."""
+    found = {}
+    for command in COMMANDS:
+        argv = [str(kubernetes_bin / command), "--version"]
+        if command == "kubectl":
+            argv = [str(kubernetes_bin / command), "version", "--client"]
+        output = subprocess.run(argv, capture_output=True, text=True, timeout=60,
+                                check=False).stdout
+        found[command] = output.strip().splitlines()[0] if output.strip() else "?"
+    output = subprocess.run([str(etcd_bin), "--version"], capture_output=True, text=True,
+                            timeout=60, check=False).stdout
+    found["etcd"] = output.strip().splitlines()[0] if output.strip() else "?"
+    return found

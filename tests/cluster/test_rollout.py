@@ -1,0 +1,458 @@
+"""
+The design's rollout and rollback on the real node, in the order
+C{docs/rollout.md} and C{docs/paths.md} give them, each step by Helm's
+engine against the API server and waited for with C{kubectl rollout
+status}, as the docs run them:
+
+1. install with every gate off: GPU pods run, get nothing, and HAMi-core's
+   client falls back (C{gate});
+2. enable the broker, wait for its DaemonSet (Ready through its real exec
+   probes), turn the NRI plugin's gate on: a GPU pod in a namespace that
+   enforces Pod Security C{restricted} gets the mounts and the gate, and the
+   C and Python clients in it get their own host PID, checked against the
+   host's C{/proc}; a pod without a GPU gets nothing; a C{hostPath} pod there
+   is refused by the API server;
+3. a burst of GPU pods, disabled and enabled: creation to first answer;
+4. roll forward to a second image tag while GPU pods query in a loop;
+5. the webhook path: the API server calls the webhook over TLS through its
+   Service; with the webhook scaled to 0, GPU pods are still admitted;
+6. a node restart (containerd and the kubelet);
+7. the rollback, gates off then the broker: new pods get nothing, pods
+   created while it was on keep running and fall back once the socket is
+   gone.
+
+The steps share one release and run in this file's order (each test
+starts from the state the one before it left); a failed step fails the
+ones after it with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+from datetime import datetime
+from typing import Any
+
+import pytest
+import workloads
+from cluster import Cluster
+from deviceplugin import DevicePlugin
+from release import NAMESPACE, Release
+from support import wait_for
+
+RESTRICTED = "gpu-restricted"
+PRIVILEGED = "gpu-privileged"
+BURST = 24
+
+
+@pytest.fixture(scope="module")
+def images(kube: Cluster) -> dict[str, str]:
+    """The project's image, two tags, imported into containerd's CRI namespace."""
+    import imagelib
+
+    for tag in (imagelib.DEFAULT_TAG, imagelib.ROLL_FORWARD_TAG):
+        kube.import_image(imagelib.project_image(tag))
+    return {"repository": imagelib.REPOSITORY, "tag": imagelib.DEFAULT_TAG,
+            "next": imagelib.ROLL_FORWARD_TAG}
+
+
+@pytest.fixture(scope="module")
+def release(kube: Cluster, gpus: DevicePlugin, images: dict[str, str]) -> Iterator[Release]:
+    kube.namespace(RESTRICTED, {"pod-security.kubernetes.io/enforce": "restricted"})
+    kube.namespace(PRIVILEGED, {"pod-security.kubernetes.io/enforce": "privileged"})
+    chart = Release(kube, images["repository"], images["tag"])
+    try:
+        yield chart
+    finally:
+        chart.close()
+
+
+def project_pod(namespace: str, prefix: str, images: dict[str, str], **kwargs: Any) -> Any:
+    return workloads.pod(namespace, prefix, image=f"{images['repository']}:{images['tag']}",
+                         script=workloads.PYTHON_SCRIPT, **kwargs)
+
+
+def test_1_disabled(kube: Cluster, release: Release, images: dict[str, str]) -> None:
+    """docs/rollout.md step 1: every gate off; GPU pods get nothing and fall back."""
+    release.install("nri.enabled=true")
+    print(release.rollout("daemonset", "hostpid-broker"))
+    print(release.rollout("daemonset", "hostpid-nri"))
+    run = workloads.run(kube, workloads.pod(RESTRICTED, "disabled"))
+    assert run.facts() == {"ns-pid": "1", "gate": "unset", "broker-mounts": "0",
+                           "uid": "1000", "gpu": "present", "socket": "absent"}, run.stdout
+    assert run.exit_code == 1 and "hostpid_client: gate: " in run.stdout, run.stdout
+    assert run.answer() is None
+
+
+def test_1b_burst_disabled(kube: Cluster, release: Release) -> None:
+    """The burst with the feature off: every client falls back at its gate."""
+    runs = burst(kube, "disabled")
+    for run in runs:
+        assert run.exit_code == 1 and "hostpid_client: gate: " in run.stdout, run.stdout
+
+
+def test_2_enabled_nri_restricted(kube: Cluster, release: Release,
+                                  images: dict[str, str]) -> None:
+    """
+    docs/rollout.md step 2 then the NRI plugin's gate (docs/paths.md, its
+    first row): the restricted GPU pod's clients get their own host PIDs.
+    """
+    release.upgrade("hostPIDBroker.enabled=true")
+    print(release.rollout("daemonset", "hostpid-broker"))
+    broker = kube.get("pods", "-n", NAMESPACE, "-l",
+                      "app.kubernetes.io/name=hostpid-broker,app.kubernetes.io/component=broker")
+    # The old pod may still be terminating (it drains after the handover).
+    (pod,) = [p for p in broker["items"] if "deletionTimestamp" not in p["metadata"]]
+    assert pod["spec"]["containers"][0]["env"] == [
+        {"name": "LIBVGPU_HOSTPID_BROKER", "value": "1"}]
+    probe = kube.kubectl("-n", NAMESPACE, "exec", pod["metadata"]["name"], "--",
+                         "hostpid", "probe", "--socket",
+                         f"{release.paths.broker_dir}/broker.sock")
+    print(probe)
+    assert ": ok: answered PID" in probe
+    release.upgrade("nri.gate=true")
+    print(release.rollout("daemonset", "hostpid-nri"))
+
+    run = workloads.run(kube, workloads.pod(RESTRICTED, "enabled"))
+    assert run.facts() == {"ns-pid": "1", "gate": "1", "broker-mounts": "1",
+                           "uid": "1000", "gpu": "present", "socket": "present"}, run.stdout
+    assert run.exit_code == 0, run.stdout
+    assert run.nspid == (run.host_pid, 1)
+    assert run.answer() == (run.host_pid, 1)
+
+    python = workloads.run(kube, project_pod(RESTRICTED, "enabled-python", images))
+    assert python.exit_code == 0, python.stdout
+    assert python.nspid == (python.host_pid, 1)
+    assert python.answer() == (python.host_pid,)
+
+    nothing = workloads.run(kube, workloads.pod(RESTRICTED, "no-gpu", gpu=False))
+    assert nothing.facts() == {"ns-pid": "1", "gate": "unset", "broker-mounts": "0",
+                               "uid": "1000", "gpu": "absent", "socket": "absent"}
+    assert nothing.exit_code == 1 and "hostpid_client: gate: " in nothing.stdout
+
+    host_path = workloads.pod(RESTRICTED, "host-path")
+    host_path["spec"]["volumes"] = [{"name": "broker", "hostPath": {
+        "path": str(release.paths.broker_dir)}}]
+    host_path["spec"]["containers"][0]["volumeMounts"] = [
+        {"name": "broker", "mountPath": "/tmp/vgpulock/hostpid", "readOnly": True}]
+    refused = kube.create(host_path)
+    print(refused.stderr)
+    assert refused.returncode != 0
+    assert "violates PodSecurity \"restricted:" in refused.stderr
+    assert 'uses restricted volume type "hostPath"' in refused.stderr
+
+
+def burst(kube: Cluster, label: str) -> list[workloads.Run]:
+    """
+    L{BURST} GPU pods created in one request.  Each workload is given its
+    go-ahead as soon as the host's C{/proc} shows it (so its host PID is
+    read from the host while it lives); creation to first answer is from
+    the create request to the client's line in the pod's log (the CRI log's
+    own timestamp).
+    """
+    manifests = [workloads.pod(RESTRICTED, f"burst-{label}", labels={"burst": label})
+                 for _ in range(BURST)]
+    started = time.time()
+    created = kube.kubectl_run("create", "-o", "json", "-f", "-", input=json.dumps(
+        {"apiVersion": "v1", "kind": "List", "items": manifests}))
+    assert created.returncode == 0, created.stderr
+    # kubectl prints each created object as a JSON document of its own.
+    items, text, decoder = [], created.stdout.strip(), json.JSONDecoder()
+    while text:
+        item, end = decoder.raw_decode(text)
+        items.append(item)
+        text = text[end:].strip()
+    uids = {item["metadata"]["uid"]: item["metadata"]["name"] for item in items}
+    host_pids = workloads.release_each(uids)
+
+    def finished() -> bool:
+        pods = kube.get("pods", "-n", RESTRICTED, "-l", f"burst={label}")["items"]
+        return len(pods) == BURST and all(
+            p["status"].get("phase") in ("Succeeded", "Failed") for p in pods)
+    wait_for(finished, f"the {label} burst to finish", 300.0)
+    seconds = []
+    runs = []
+    for manifest in manifests:
+        name = manifest["metadata"]["name"]
+        current = kube.get("pod", "-n", RESTRICTED, name)
+        (state,) = current["status"]["containerStatuses"]
+        lines = kube.kubectl("logs", "--timestamps", "-n", RESTRICTED, name).splitlines()
+        stamp = lines[-1].split(" ", 1)[0]
+        seconds.append(datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+                       - started)
+        stdout = "".join(line.split(" ", 1)[1] + "\n" for line in lines)
+        runs.append(workloads.Run(name, host_pids[name], (), current["status"]["phase"],
+                                  state["state"]["terminated"]["exitCode"], stdout, current))
+    kube.kubectl("delete", "pods", "-n", RESTRICTED, "-l", f"burst={label}", "--wait=false")
+    ordered = sorted(seconds)
+    p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+    print(f"\n[cluster] burst {label}: {BURST} pods, creation to first answer "
+          f"p50 {statistics.median(seconds):.2f} s, p99 {p99:.2f} s, max {max(seconds):.2f} s")
+    return runs
+
+
+def test_3_burst_enabled(kube: Cluster, release: Release) -> None:
+    runs = burst(kube, "enabled")
+    for run in runs:
+        assert run.exit_code == 0, run.stdout
+        assert run.answer() == (run.host_pid, 1), (run.name, run.host_pid, run.stdout)
+
+
+#: A workload that queries the broker in a loop until told to stop (the file
+#: C{/tmp/stop} in its own root, written by the test through /proc): one line
+#: per query, C{ok HOSTPID NSPID} or C{FAIL CHECK: ...} (the client's stderr).
+LOOP_SCRIPT = (
+    "while [ ! -e /tmp/stop ]; do "
+    "if out=$(/bin/hostpid_client 2>&1); then echo \"ok $out\"; "
+    "else echo \"FAIL $out\"; fi; sleep 0.05; done"
+)
+
+
+class Loop:
+    """GPU pods querying in a loop, started now, stopped and read by L{stop}."""
+
+    def __init__(self, kube: Cluster, label: str, count: int = 2) -> None:
+        self.kube = kube
+        self.manifests = [workloads.pod(RESTRICTED, f"loop-{label}", script=LOOP_SCRIPT,
+                                        labels={"loop": label}) for _ in range(count)]
+        self.pids = {}
+        for manifest in self.manifests:
+            workloads.start(kube, manifest)
+        for manifest in self.manifests:
+            name = manifest["metadata"]["name"]
+            self.pids[name] = workloads.container_pid(kube, RESTRICTED, name)
+
+    def lines(self) -> dict[str, list[str]]:
+        return {name: self.kube.kubectl("logs", "-n", RESTRICTED, name).splitlines()
+                for name in self.pids}
+
+    def stop(self) -> dict[str, list[str]]:
+        from pathlib import Path
+
+        for pid in self.pids.values():
+            Path(f"/proc/{pid}/root/tmp/stop").touch()
+        wait_for(lambda: all(
+            self.kube.get("pod", "-n", RESTRICTED, name)["status"].get("phase") == "Succeeded"
+            for name in self.pids), "the loop pods to stop", 60.0)
+        return self.lines()
+
+
+class Stream:
+    """GPU pods created one after another in a thread, until stopped."""
+
+    def __init__(self, kube: Cluster, label: str, interval: float = 0.5) -> None:
+        self.kube, self.label, self.interval = kube, label, interval
+        self.names: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            manifest = workloads.pod(RESTRICTED, f"stream-{self.label}", labels={
+                "stream": self.label}, script=STREAM_SCRIPT)
+            if self.kube.create(manifest).returncode == 0:
+                self.names.append(manifest["metadata"]["name"])
+            self._stop.wait(self.interval)
+
+    def stop(self) -> dict[str, str]:
+        """Each pod's gate as its container saw it (C{1} when adjusted)."""
+        self._stop.set()
+        self._thread.join(30)
+
+        def finished() -> bool:
+            pods = self.kube.get("pods", "-n", RESTRICTED, "-l", f"stream={self.label}")
+            return all(p["status"].get("phase") in ("Succeeded", "Failed")
+                       for p in pods["items"])
+        wait_for(finished, f"the {self.label} stream's pods to finish", 300.0)
+        gates = {}
+        for name in self.names:
+            output = self.kube.kubectl("logs", "-n", RESTRICTED, name)
+            gates[name] = output.split("gate ", 1)[1].split()[0] if "gate " in output else "?"
+        self.kube.kubectl("delete", "pods", "-n", RESTRICTED, "-l", f"stream={self.label}",
+                          "--wait=false")
+        return gates
+
+
+STREAM_SCRIPT = 'echo "gate ${LIBVGPU_HOSTPID_BROKER-unset}"'
+
+
+def failures(lines: dict[str, list[str]]) -> tuple[int, int]:
+    total = sum(len(v) for v in lines.values())
+    failed = sum(1 for v in lines.values() for line in v if not line.startswith("ok "))
+    return total, failed
+
+
+def test_4_rolled_forward(kube: Cluster, release: Release, images: dict[str, str]) -> None:
+    """
+    helm upgrade to the second image tag: the broker DaemonSet's surge-first
+    rollout with the handover loses no query; the NRI DaemonSet's rollout
+    under a stream of GPU pod creations, counted.
+    """
+    loop = Loop(kube, "forward")
+    wait_for(lambda: all(len(v) >= 5 for v in loop.lines().values()),
+             "the loop pods' first answers", 60.0)
+    stream = Stream(kube, "forward")
+    before = kube.get("pods", "-n", NAMESPACE)["items"]
+    release.upgrade(f"image.tag={images['next']}")
+    print(release.rollout("daemonset", "hostpid-broker"))
+    print(release.rollout("daemonset", "hostpid-nri"))
+    gates = stream.stop()
+    lines = loop.stop()
+    after = kube.get("pods", "-n", NAMESPACE)["items"]
+    assert {p["metadata"]["name"] for p in before}.isdisjoint(
+        p["metadata"]["name"] for p in after), "every broker and NRI pod was replaced"
+    assert all(p["spec"]["containers"][0]["image"].endswith(f":{images['next']}")
+               for p in after)
+    total, failed = failures(lines)
+    unadjusted = sorted(name for name, gate in gates.items() if gate != "1")
+    print(f"\n[cluster] roll forward: {total} queries, {failed} failed; "
+          f"{len(gates)} GPU pods created during the two rollouts, "
+          f"{len(unadjusted)} without the adjustment")
+    assert failed == 0, [line for v in lines.values() for line in v if not line.startswith("ok")]
+    for name, pid in loop.pids.items():
+        assert all(line == f"ok {pid} 1" or line.split()[2] != "1"
+                   for line in lines[name] if line.startswith("ok "))
+    strategy = kube.get("daemonset", "-n", NAMESPACE, "hostpid-nri")["spec"]["updateStrategy"]
+    if strategy.get("rollingUpdate", {}).get("maxSurge") in (0, "0", None):
+        pytest.xfail(f"the NRI DaemonSet rolls out replace-first ({strategy}): "
+                     f"{len(unadjusted)} of {len(gates)} GPU containers created meanwhile "
+                     "got no adjustment")
+    assert unadjusted == []
+
+
+def test_6_webhook(kube: Cluster, release: Release) -> None:
+    """
+    docs/paths.md's webhook rollout (mode mounts, a privileged namespace):
+    the API server calls the webhook through its Service over TLS and the
+    pod gets its host PID; with the webhook at 0 replicas, GPU pods are
+    still admitted, unpatched (failurePolicy Ignore).
+    """
+    release.upgrade("webhook.enabled=true", "webhook.mode=mounts",
+                    "webhook.extendedResources={nvidia.com/gpu}")
+    print(release.rollout("deployment", "hostpid-webhook"))
+    release.upgrade("webhook.gate=true")
+    print(release.rollout("deployment", "hostpid-webhook"))
+    manifest = workloads.pod(PRIVILEGED, "webhook", labels={"hostpid.hami.io/nri": "disabled"})
+    workloads.start(kube, manifest)
+    stored = kube.get("pod", "-n", PRIVILEGED, manifest["metadata"]["name"])
+    paths = {v["hostPath"]["path"] for v in stored["spec"].get("volumes", [])
+             if "hostPath" in v}
+    assert str(release.paths.broker_dir) in paths, stored["spec"].get("volumes")
+    run = workloads.finish(kube, manifest)
+    assert run.exit_code == 0, run.stdout
+    assert run.answer() == (run.host_pid, 1)
+
+    # docs/userns.md: a user-namespaced pod that adds SYS_ADMIN gets no
+    # broker volume (its kubelet would idmap it, and its root could remount
+    # it writable); the API server admits it with the webhook's warning.
+    userns = workloads.pod(PRIVILEGED, "userns-sys-admin", restricted=False, host_users=False,
+                           labels={"hostpid.hami.io/nri": "disabled"})
+    userns["spec"]["containers"][0]["securityContext"] = {
+        "capabilities": {"add": ["SYS_ADMIN"]}}
+    created = kube.create(userns)
+    assert created.returncode == 0, created.stderr
+    print(f"\n[cluster] hostUsers: false with SYS_ADMIN: {created.stderr.strip()}")
+    assert "SYS_ADMIN" in created.stderr, created.stderr
+    stored = kube.get("pod", "-n", PRIVILEGED, userns["metadata"]["name"])
+    assert not any("hostPath" in v for v in stored["spec"].get("volumes", [])), stored["spec"]
+    kube.kubectl("-n", PRIVILEGED, "delete", "pod", userns["metadata"]["name"], "--wait=false")
+
+    kube.kubectl("-n", NAMESPACE, "scale", "deployment/hostpid-webhook", "--replicas=0")
+    wait_for(lambda: not kube.get("pods", "-n", NAMESPACE, "-l",
+                                  "app.kubernetes.io/component=webhook")["items"],
+             "the webhook's pods to go", 120.0)
+    down = workloads.pod(PRIVILEGED, "webhook-down", labels={"hostpid.hami.io/nri": "disabled"})
+    started = time.monotonic()
+    workloads.start(kube, down)
+    admitted = time.monotonic() - started
+    stored = kube.get("pod", "-n", PRIVILEGED, down["metadata"]["name"])
+    assert not any("hostPath" in v for v in stored["spec"].get("volumes", [])), stored["spec"]
+    run = workloads.finish(kube, down)
+    print(f"\n[cluster] webhook at 0 replicas: admitted unpatched in {admitted:.2f} s")
+    assert run.exit_code == 1 and "hostpid_client: gate: " in run.stdout, run.stdout
+    kube.kubectl("-n", NAMESPACE, "scale", "deployment/hostpid-webhook", "--replicas=2")
+    print(release.rollout("deployment", "hostpid-webhook"))
+
+
+def nri_ready(kube: Cluster) -> bool:
+    """The NRI plugin's C{/readyz} (ready once the runtime configured it), on its pod IP."""
+    import urllib.error
+    import urllib.request
+
+    pods = kube.get("pods", "-n", NAMESPACE, "-l",
+                    "app.kubernetes.io/component=nri-plugin")["items"]
+    ips = [p["status"].get("podIP") for p in pods if "deletionTimestamp" not in p["metadata"]]
+    if len(ips) != 1 or not ips[0]:
+        return False
+    try:
+        with urllib.request.urlopen(f"http://{ips[0]}:9396/readyz", timeout=2) as response:
+            return bool(response.status == 200)
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def test_8_node_restart(kube: Cluster, release: Release) -> None:
+    """
+    containerd and the kubelet stopped and started again: the chart's pods
+    come back Ready; GPU pods created from the restart on, until the NRI
+    plugin is ready again and 10 more have been created, are counted with
+    or without the NRI adjustment.
+    """
+    assert nri_ready(kube)
+    kube.processes["kubelet"].stop()
+    kube.containerd.restart()
+    kube.processes["kubelet"].start()
+    stream = Stream(kube, "restart", interval=0.2)
+    wait_for(lambda: nri_ready(kube), "the NRI plugin to be ready again", 120.0)
+    count = len(stream.names)
+    wait_for(lambda: len(stream.names) >= count + 10, "10 more GPU pods", 120.0)
+    gates = stream.stop()
+    kube.wait_node_ready()
+    for kind, name in (("daemonset", "hostpid-broker"), ("daemonset", "hostpid-nri"),
+                       ("deployment", "hostpid-webhook")):
+        if kube.kubectl_run("-n", NAMESPACE, "get", kind, name).returncode == 0:
+            print(release.rollout(kind, name))
+    unadjusted = [name for name, gate in gates.items() if gate != "1"]
+    print(f"\n[cluster] node restart: {len(gates)} GPU pods created from the restart on "
+          f"({count} before the NRI plugin was ready again), {len(unadjusted)} without "
+          "the adjustment")
+    run = workloads.run(kube, workloads.pod(RESTRICTED, "after-restart"))
+    assert run.exit_code == 0 and run.answer() == (run.host_pid, 1), run.stdout
+
+
+def test_5_rolled_back(kube: Cluster, release: Release) -> None:
+    """
+    docs/paths.md's rollback: gates off, then the broker.  The NOTES' one
+    command (the broker off) is refused while a gate is on; in the
+    documented order every step is accepted; new pods get nothing; a pod
+    created while it was on keeps running and falls back once the socket is
+    gone.
+    """
+    import helm_python as helm
+
+    loop = Loop(kube, "back", count=1)
+    (name,) = loop.pids
+    wait_for(lambda: len(loop.lines()[name]) >= 5, "the loop pod's first answers", 60.0)
+    with pytest.raises(helm.HelmError) as refused:
+        release.upgrade("hostPIDBroker.enabled=false")
+    print(f"\n[cluster] the broker off while a gate is on: {refused.value}")
+    release.upgrade("webhook.gate=false", "nri.gate=false")
+    print(release.rollout("daemonset", "hostpid-nri"))
+    print(release.rollout("deployment", "hostpid-webhook"))
+    off = workloads.run(kube, workloads.pod(RESTRICTED, "gates-off"))
+    assert off.facts()["gate"] == "unset" and off.facts()["broker-mounts"] == "0"
+    release.upgrade("hostPIDBroker.enabled=false")
+    print(release.rollout("daemonset", "hostpid-broker"))
+    assert not (release.paths.broker_dir / "broker.sock").exists()
+    count = len(loop.lines()[name])
+    wait_for(lambda: len(loop.lines()[name]) >= count + 5, "answers after the rollback", 60.0)
+    lines = loop.stop()[name]
+    assert lines[0].startswith("ok "), lines[:3]
+    assert lines[-1].startswith("FAIL hostpid_client: socket: "), lines[-3:]
+    assert kube.get("pod", "-n", RESTRICTED, name)["status"]["phase"] == "Succeeded"
+    after = workloads.run(kube, workloads.pod(RESTRICTED, "rolled-back"))
+    assert after.exit_code == 1 and "hostpid_client: gate: " in after.stdout, after.stdout
