@@ -31,6 +31,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from nrilib import FakeRuntime, NRIPluginProcess, RuntimeConnection, gpu_container, pod
@@ -69,6 +70,25 @@ def adjusted(connection: RuntimeConnection) -> bool:
     return len(response.adjust.mounts) == 2
 
 
+def serve_one_launch(runtime: socket.socket, process: subprocess.Popen[bytes]) -> Any:
+    """
+    As the runtime: take the launched plugin's registration, have it adjust
+    one GPU container, close the connection, and see the plugin exit 0.
+    The registration is returned; the process is killed if it outlives this.
+    """
+    try:
+        connection = RuntimeConnection(runtime)
+        registration = connection.handshake(timeout=30)
+        assert adjusted(connection)
+        runtime.shutdown(socket.SHUT_RDWR)
+        assert process.wait(30) == 0
+        return registration
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 def test_a_launched_plugin_registers_on_the_descriptor_and_exits_with_it(
         pair: tuple[socket.socket, socket.socket], node: dict[str, str]) -> None:
     runtime, plugin_end = pair
@@ -80,18 +100,11 @@ def test_a_launched_plugin_registers_on_the_descriptor_and_exits_with_it(
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         plugin_end.close()
         try:
-            connection = RuntimeConnection(runtime)
-            registration = connection.handshake(timeout=30)
-            assert (registration.plugin_name, registration.plugin_idx) == ("hostpid", "92")
-            assert adjusted(connection)
-            runtime.shutdown(socket.SHUT_RDWR)
-            assert process.wait(30) == 0
+            registration = serve_one_launch(runtime, process)
         finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
             log.seek(0)
             output = log.read().decode(errors="replace")
+    assert (registration.plugin_name, registration.plugin_idx) == ("hostpid", "92")
     assert "exiting (it launches the plugin again when it starts)" in output, output
     assert "Traceback" not in output, output
 
@@ -127,16 +140,7 @@ def test_the_launcher_runs_with_the_environment_nri_gives(
     process = subprocess.Popen([str(launcher)], env=environment, preexec_fn=as_fd_3,
                                pass_fds=[3, plugin_end.fileno()], stdin=subprocess.DEVNULL)
     plugin_end.close()
-    try:
-        connection = RuntimeConnection(runtime)
-        assert connection.handshake(timeout=30).plugin_idx == "92"
-        assert adjusted(connection)
-        runtime.shutdown(socket.SHUT_RDWR)
-        assert process.wait(30) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+    assert serve_one_launch(runtime, process).plugin_idx == "92"
     assert "registered with the runtime as 92-hostpid" in log.read_text()
     # Not started by a runtime: refused, with the reason.
     refused = subprocess.run([str(launcher)], env={}, capture_output=True, text=True,

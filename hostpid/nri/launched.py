@@ -46,11 +46,7 @@ class LaunchedPluginFactory(PluginFactory):
         self.gone = gone
 
     def disconnected(self, protocol: Any, was_registered: bool) -> None:
-        if self.current is protocol:
-            self.current = None
-            self.metrics.registered.set(0)
-        if not was_registered:
-            self.metrics.connections.labels("dropped").inc()
+        self.forget(protocol, was_registered)
         self.log.info("hostpid-nri: the runtime closed the connection it launched the plugin "
                       "with{after}; exiting (it launches the plugin again when it starts)",
                       after=" after registration" if was_registered else "")

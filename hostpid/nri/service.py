@@ -319,13 +319,17 @@ class PluginFactory(Factory):
         self.metrics.connections.labels("registered").inc()
 
     def disconnected(self, protocol: Any, was_registered: bool) -> None:
+        self.forget(protocol, was_registered)
+        self.log.info("hostpid-nri: disconnected from the runtime{after}; reconnecting",
+                      after=" after registration" if was_registered else "")
+
+    def forget(self, protocol: Any, was_registered: bool) -> None:
+        """The connection C{protocol} ended: no longer registered; counted if it never was."""
         if self.current is protocol:
             self.current = None
             self.metrics.registered.set(0)
         if not was_registered:
             self.metrics.connections.labels("dropped").inc()
-        self.log.info("hostpid-nri: disconnected from the runtime{after}; reconnecting",
-                      after=" after registration" if was_registered else "")
 
 
 class NRIPluginService(ClientService):

@@ -37,7 +37,7 @@ import sys
 import tarfile
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from types import ModuleType
@@ -538,6 +538,45 @@ def _pids_naming(marker: str) -> list[int]:
     return pids
 
 
+def cri_version(name: str, process: subprocess.Popen[bytes], socket: Path, client: CriClient,
+                output: Callable[[], str]) -> Any:
+    """
+    The runtime's CRI Version answer, or None while it does not answer yet
+    (no socket, or an RPC error: CRI answers nothing before it is
+    initialized); fails at once, with its log, if the runtime exited.
+    """
+    if process.poll() is not None:
+        raise AssertionError(f"{name} exited {process.returncode}:\n{output()}")
+    if not socket.exists():
+        return None
+    grpc = grpc_module()
+    try:
+        return client.call("RuntimeService", "Version", client.pb.VersionRequest(version="v1"), 2.0)
+    except grpc.RpcError:
+        return None
+
+
+def kill_leftovers(marker: str, what: str) -> None:
+    """
+    After a runtime stopped: kill the helpers it started that outlive it
+    (shims, conmons: every process whose command line names C{marker}).
+    """
+    for pid in _pids_naming(marker):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    wait_for(lambda: not _pids_naming(marker), f"the {what} to exit", 15.0)
+
+
+def remove_workdir(workdir: Path) -> None:
+    """Unmount what a runtime left under C{workdir}, deepest first, and remove it."""
+    for point in sorted(_mountpoints_under(workdir), key=len, reverse=True):
+        subprocess.run(["umount", "-l", point], check=False, capture_output=True)
+    subprocess.run(["rm", "-rf", "--one-file-system", "--", str(workdir)],
+                   check=False, timeout=120)
+
+
 class Containerd:
     """One private containerd with its CRI plugin, started and torn down by the test."""
 
@@ -627,16 +666,10 @@ class Containerd:
         return self._answers()
 
     def _answers(self) -> bool:
-        if self.process.poll() is not None:
-            raise AssertionError(f"containerd exited {self.process.returncode}:\n{self.output()}")
-        if not self.socket.exists():
+        version = cri_version("containerd", self.process, self.socket, self.client, self.output)
+        if version is None:
             return False
-        grpc = grpc_module()
-        try:
-            self.version = self.client.call(
-                "RuntimeService", "Version", self.client.pb.VersionRequest(version="v1"), 2.0)
-        except grpc.RpcError:
-            return False
+        self.version = version
         return True
 
     def ctr(self, *args: str) -> str:
@@ -662,17 +695,9 @@ class Containerd:
         self._stop()
         self.log.close()
         # Shims are started with this run's socket address and outlive containerd.
-        for pid in _pids_naming(str(self.socket)):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        wait_for(lambda: not _pids_naming(str(self.socket)), "the shims to exit", 15.0)
+        kill_leftovers(str(self.socket), "shims")
         self._remove_shim_sockets()
-        for point in sorted(_mountpoints_under(self.workdir), key=len, reverse=True):
-            subprocess.run(["umount", "-l", point], check=False, capture_output=True)
-        subprocess.run(["rm", "-rf", "--one-file-system", "--", str(self.workdir)],
-                       check=False, timeout=120)
+        remove_workdir(self.workdir)
         self._remove_cgroups()
 
     def _remove_shim_sockets(self) -> None:

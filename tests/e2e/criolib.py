@@ -44,11 +44,11 @@ from crilib import (
     CALL_TIMEOUT,
     IMAGE,
     CriClient,
-    _mountpoints_under,
-    _pids_naming,
     built,
-    grpc_module,
+    cri_version,
+    kill_leftovers,
     remove_cgroups,
+    remove_workdir,
     write_network,
 )
 from support import require_tool, wait_for
@@ -260,16 +260,10 @@ class Crio:
 
     def _answers(self) -> bool:
         assert self.process is not None
-        if self.process.poll() is not None:
-            raise AssertionError(f"crio exited {self.process.returncode}:\n{self.output()}")
-        if not self.socket.exists():
+        version = cri_version("crio", self.process, self.socket, self.client, self.output)
+        if version is None:
             return False
-        grpc = grpc_module()
-        try:
-            self.version = self.client.call(
-                "RuntimeService", "Version", self.client.pb.VersionRequest(version="v1"), 2.0)
-        except grpc.RpcError:
-            return False
+        self.version = version
         return True
 
     def output(self) -> str:
@@ -288,16 +282,8 @@ class Crio:
         self._stop()
         self.log.close()
         # conmon is started with this run's paths (its exit directory) and outlives CRI-O.
-        for pid in _pids_naming(str(self.workdir)):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        wait_for(lambda: not _pids_naming(str(self.workdir)), "the conmons to exit", 15.0)
-        for point in sorted(_mountpoints_under(self.workdir), key=len, reverse=True):
-            subprocess.run(["umount", "-l", point], check=False, capture_output=True)
-        subprocess.run(["rm", "-rf", "--one-file-system", "--", str(self.workdir)],
-                       check=False, timeout=120)
+        kill_leftovers(str(self.workdir), "conmons")
+        remove_workdir(self.workdir)
         remove_cgroups(self.cgroup_parent)
 
 

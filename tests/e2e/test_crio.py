@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,7 +38,6 @@ import pytest
 import test_nri_containerd
 from crilib import RUNTIMES, Containerds, running_runtime
 from criolib import STRICT_HANDLER, Crio, default_config, default_handler, running_crio
-from support import running_broker
 from test_nri_containerd import (
     NOTHING,
     NVIDIA_MAJOR,
@@ -48,6 +46,7 @@ from test_nri_containerd import (
     Kubelet,
     Plugin,
     adjusted,
+    gpu_on,
     restricted_pod,
 )
 from test_runc import private_node
@@ -158,16 +157,10 @@ def gpu_allowed(cri_image: Path, cri_messages: ModuleType) -> Iterator[tuple[Cri
     A CRI-O whose operator listed a GPU device node in C{allowed_devices}
     (the misconfiguration docs/nri.md forbids), a broker on a private node.
     """
-    with private_node() as node:
-        home = node.broker_dir.parent.parent
-        device = home / "dev" / "nvidia0"
-        device.parent.mkdir(mode=0o755)
-        os.mknod(device, 0o666 | stat.S_IFCHR, os.makedev(NVIDIA_MAJOR, 0))
-        with running_broker(node.broker_dir, "--lock-parent", str(node.lock_parent),
-                            "--cdi-dir", str(home / "cdi")) as broker, \
-                running_crio(cri_image, cri_messages, RUNTIMES["crio"].oci_binary(),
-                             allowed_devices=(str(device),)) as crio:
-            yield crio, GpuNode(node, device, broker)
+    with private_node() as node, gpu_on(node) as gpu, \
+            running_crio(cri_image, cri_messages, RUNTIMES["crio"].oci_binary(),
+                         allowed_devices=(str(gpu.device),)) as crio:
+        yield crio, gpu
 
 
 def test_allowed_gpu_device_lets_any_pod_take_a_gpu(gpu_allowed: tuple[Crio, GpuNode]) -> None:

@@ -42,7 +42,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -142,14 +142,20 @@ def gpu_node() -> Iterator[GpuNode]:
     C{docs/operations.md} gives), which the plugin's mounts need; the broker
     directory is the broker's own.
     """
-    with private_node() as node:
-        home = node.broker_dir.parent.parent
-        device = home / "dev" / "nvidia0"
-        device.parent.mkdir(mode=0o755)
-        os.mknod(device, 0o666 | stat.S_IFCHR, os.makedev(NVIDIA_MAJOR, 0))
-        with running_broker(node.broker_dir, "--lock-parent", str(node.lock_parent),
-                            "--cdi-dir", str(home / "cdi")) as broker:
-            yield GpuNode(node, device, broker)
+    with private_node() as node, gpu_on(node) as gpu:
+        yield gpu
+
+
+@contextmanager
+def gpu_on(node: Node) -> Iterator[GpuNode]:
+    """C{node} with a fake GPU device node and a broker (C{--cdi-dir}) running on it."""
+    home = node.broker_dir.parent.parent
+    device = home / "dev" / "nvidia0"
+    device.parent.mkdir(mode=0o755)
+    os.mknod(device, 0o666 | stat.S_IFCHR, os.makedev(NVIDIA_MAJOR, 0))
+    with running_broker(node.broker_dir, "--lock-parent", str(node.lock_parent),
+                        "--cdi-dir", str(home / "cdi")) as broker:
+        yield GpuNode(node, device, broker)
 
 
 class Plugin:
@@ -334,6 +340,11 @@ class PodRun:
                 found[key] = value
         return found
 
+    def lines(self, key: str) -> list[str]:
+        """What follows C{key} on each line of the output that starts with it."""
+        return [line.partition(" ")[2] for line in self.stdout.splitlines()
+                if line.partition(" ")[0] == key]
+
     def answer(self) -> tuple[int, ...] | None:
         lines = [line.split() for line in self.stdout.splitlines()]
         numbers = [tuple(int(n) for n in fields) for fields in lines
@@ -343,14 +354,21 @@ class PodRun:
 
 
 def run_pod(kubelet: Kubelet, name: str, pod: Mapping[str, Any],
-            allocations: Sequence[Mapping[str, Any]] = ()) -> PodRun:
-    """The kubelet's calls for one pod, its container run to its exit."""
+            allocations: Sequence[Mapping[str, Any]] = (),
+            before_go: Callable[[int], object] | None = None) -> PodRun:
+    """
+    The kubelet's calls for one pod, its container run to its exit.  A
+    failed StartContainer is the failure it is (raised), never retried.
+    C{before_go(host_pid)} runs before the go-ahead (L{GO_FILE}) is written.
+    """
     with kubelet.pod_sandbox(pod) as (sandbox_id, sandbox):
         container_id, config = kubelet.create(pod, sandbox_id, sandbox, allocations)
         try:
             adjustment = Adjustment.of(kubelet.spec(container_id))
             kubelet.cri.runtime("StartContainer", container_id=container_id)
             host_pid = wait_running_pid(kubelet, container_id)
+            if before_go is not None:
+                before_go(host_pid)
             # The go-ahead, written into the container's own root filesystem.
             Path(f"/proc/{host_pid}/root{GO_FILE}").touch()
             status = wait_exited(kubelet.cri, container_id)

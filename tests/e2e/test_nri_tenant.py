@@ -35,14 +35,13 @@ import os
 import subprocess
 import tempfile
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import attrs
 import kubeletlib
 import pytest
-from crilib import IMAGE_ETC_MARKER, read_cri_log, wait_exited
+from crilib import IMAGE_ETC_MARKER
 from support import require_tool
 from test_nri_containerd import (
     GO_FILE,
@@ -53,20 +52,21 @@ from test_nri_containerd import (
     GpuNode,
     Kubelet,
     Plugin,
+    PodRun,
     adjusted,
     daemon,
     gpu_node,
     kubelet,
     plugin,
     restricted_pod,
-    wait_running_pid,
+    run_pod,
 )
 
 from hostpid import defaults
 from hostpid.nri.decision import OPT_OUT_KEY, OPT_OUT_VALUE
 
 # The module fixtures of test_nri_containerd, used here by name: the same
-# containerds (1.7 and 2.1), node, kubelet and plugin.
+# runtimes (the NRI cells), node, kubelet and plugin.
 __all__ = ["daemon", "gpu_node", "kubelet", "plugin"]
 
 pytestmark = pytest.mark.privileged
@@ -81,46 +81,11 @@ int main(void) { printf("euid %d\n", (int)geteuid()); return 0; }
 """
 
 
-@attrs.frozen
-class Run:
-    """One container run to its exit: what it printed and what it was created with."""
-
-    exit_code: int
-    stdout: str
-    stderr: str
-    adjustment: Adjustment
-    host_pid: int
-
-    def lines(self, key: str) -> list[str]:
-        return [line.partition(" ")[2] for line in self.stdout.splitlines()
-                if line.partition(" ")[0] == key]
-
-
 def run(kubelet: Kubelet, pod: Mapping[str, Any],
         allocations: Sequence[Mapping[str, Any]] = (),
-        before_go: Any = None) -> Run:
-    """
-    The kubelet's calls for one pod, its container run to its exit.  A
-    failed StartContainer is the failure it is (raised), never retried.
-    C{before_go(host_pid)} runs before the go-ahead (L{GO_FILE}) is written.
-    """
-    with kubelet.pod_sandbox(pod) as (sandbox_id, sandbox):
-        container_id, config = kubelet.create(pod, sandbox_id, sandbox, allocations)
-        try:
-            adjustment = Adjustment.of(kubelet.spec(container_id))
-            kubelet.cri.runtime("StartContainer", container_id=container_id)
-            host_pid = wait_running_pid(kubelet, container_id)
-            if before_go is not None:
-                before_go(host_pid)
-            Path(f"/proc/{host_pid}/root{GO_FILE}").touch()
-            status = wait_exited(kubelet.cri, container_id)
-        finally:
-            kubelet.remove(container_id)
-    stdout, stderr = read_cri_log(Path(sandbox.log_directory) / config.log_path)
-    done = Run(status.status.exit_code, stdout, stderr, adjustment, host_pid)
-    print(f"\n[tenant] {pod['metadata']['name']}: exit={done.exit_code} adjustment={adjustment} "
-          f"stdout={stdout.strip()!r} stderr={stderr.strip()!r}")
-    return done
+        before_go: Callable[[int], object] | None = None) -> PodRun:
+    """L{run_pod}, named after the pod."""
+    return run_pod(kubelet, pod["metadata"]["name"], pod, allocations, before_go)
 
 
 def wait_go(then: str) -> str:
@@ -180,13 +145,13 @@ VICTIM = ('echo "etc-socket $(if [ -e /etc/broker.sock ]; then echo yes; else ec
           + SCRIPT)
 
 
-def victim(kubelet: Kubelet, gpu_node: GpuNode, name: str) -> Run:
+def victim(kubelet: Kubelet, gpu_node: GpuNode, name: str) -> PodRun:
     pod = restricted_pod(name)
     pod["spec"]["containers"][0]["command"] = ["/bin/sh", "-c", VICTIM]
     return run(kubelet, pod, [gpu_node.allocation()])
 
 
-def assert_sound(done: Run, gpu_node: GpuNode) -> None:
+def assert_sound(done: PodRun, gpu_node: GpuNode) -> None:
     """Started and ran; its own /etc; the broker (answering) or no broker mount."""
     assert done.lines("etc-socket") == ["no"], done.stdout
     assert done.lines("etc-image") == ["yes"], done.stdout
