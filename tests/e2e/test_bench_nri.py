@@ -31,7 +31,10 @@ def test_bench_nri_runs_and_reports(tmp_path: Path) -> None:
     assert {p.name for p in out.iterdir()} == {"raw.json.gz", "summary.md", "environment.json"}
     with gzip.open(out / "raw.json.gz", "rt") as raw:
         results = json.load(raw)
-    assert set(results["decision"]) == {"GPU container", "plain container"}
+    assert set(results["decision"]) == {
+        "GPU container", "plain container",
+        "GPU container, 16384 mounts under /tmp/vgpulock",
+        "GPU container, 2 M environment entries (oversized)"}
     assert [len(v) for v in results["round_trips"].values()] == [20, 20]
     sides = results["containerd"]["sides"]
     assert {side: len(data["sequential"]) for side, data in sides.items()} == {

@@ -28,13 +28,12 @@ import subprocess
 import uuid
 
 import pytest
-from crilib import Containerd
+from crilib import Containerd, Containerds
 from test_nri_containerd import (
     GpuNode,
     Kubelet,
     Plugin,
     adjusted,
-    daemon,
     gpu_node,
     kubelet,
     probe,
@@ -43,7 +42,15 @@ from test_nri_containerd import (
 
 pytestmark = pytest.mark.privileged
 
-__all__ = ["daemon", "gpu_node", "kubelet"]  # the fixtures this module uses
+__all__ = ["gpu_node", "kubelet"]  # the fixtures this module uses
+
+
+@pytest.fixture(scope="module", params=["containerd17", "containerd21"])
+def daemon(request: pytest.FixtureRequest, containerds: Containerds) -> Containerd:
+    """The containerds whose socket the chart mounts read-only: the modes measured are theirs."""
+    runtime = containerds.runtime(request.param)
+    assert isinstance(runtime, Containerd)
+    return runtime
 
 #: The plugin's argv, run in a private mount namespace where the directory
 #: ($0) is a read-only bind of itself.
