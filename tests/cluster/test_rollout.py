@@ -11,11 +11,14 @@ status}, as the docs run them:
    enforces Pod Security C{restricted} gets the mounts and the gate, and the
    C and Python clients in it get their own host PID, checked against the
    host's C{/proc}; a pod without a GPU gets nothing; a C{hostPath} pod there
-   is refused by the API server;
+   is refused by the API server; a user-namespaced (C{hostUsers: false})
+   GPU pod there gets the NRI plugin's plain mount and its host PID;
 3. a burst of GPU pods, disabled and enabled: creation to first answer;
 4. roll forward to a second image tag while GPU pods query in a loop;
 5. the webhook path: the API server calls the webhook over TLS through its
-   Service; with the webhook scaled to 0, GPU pods are still admitted;
+   Service; a user-namespaced pod's broker volume is idmapped by the
+   kubelet and its client trusts it; with the webhook scaled to 0, GPU pods
+   are still admitted;
 6. a node restart (containerd and the kubelet);
 7. the rollback, gates off then the broker: new pods get nothing, pods
    created while it was on keep running and fall back once the socket is
@@ -42,6 +45,8 @@ from cluster import Cluster
 from deviceplugin import DevicePlugin
 from release import NAMESPACE, Release
 from support import wait_for
+from test_userns_cri import OVERFLOW_UID, PROLOGUE
+from test_userns_cri import facts as userns_facts
 
 RESTRICTED = "gpu-restricted"
 PRIVILEGED = "gpu-privileged"
@@ -143,6 +148,61 @@ def test_2_enabled_nri_restricted(kube: Cluster, release: Release,
     assert refused.returncode != 0
     assert "violates PodSecurity \"restricted:" in refused.stderr
     assert 'uses restricted volume type "hostPath"' in refused.stderr
+
+
+BROKER_PATH = "/tmp/vgpulock/hostpid"
+LOCK_PARENT = "/tmp/vgpulock"
+
+
+def userns_run(kube: Cluster, manifest: dict[str, Any]) -> tuple[workloads.Run, dict[str, Any]]:
+    """
+    A C{hostUsers: false} workload: its script first prints its C{uid_map}
+    and the owner the broker directory shows inside; read from the host
+    while it waits, its mapping and the per-mount options of its broker
+    mount and lock parent (C{idmapped} or not), then its run.
+    """
+    manifest["spec"]["hostUsers"] = False
+    (container,) = manifest["spec"]["containers"]
+    container["command"][2] = PROLOGUE + container["command"][2]
+    namespace, name = manifest["metadata"]["namespace"], manifest["metadata"]["name"]
+    workloads.start(kube, manifest)
+    host_pid = workloads.container_pid(kube, namespace, name)
+    seen: dict[str, Any] = {"uid_map": workloads.uid_map(host_pid)}
+    for path in (BROKER_PATH, LOCK_PARENT):
+        try:
+            seen[path] = workloads.mount_options(host_pid, path)
+        except AssertionError:
+            seen[path] = None
+    run = workloads.finish(kube, manifest)
+    seen.update(userns_facts(run.stdout))
+    print(f"\n[cluster] hostUsers: false {namespace}/{name}: {seen}")
+    return run, seen
+
+
+def test_2b_userns_nri_restricted(kube: Cluster, release: Release,
+                                  images: dict[str, str]) -> None:
+    """
+    A C{hostUsers: false} GPU pod in the C{restricted} namespace, NRI path
+    (docs/userns.md, the NRI row): the kubelet gives it 65536 IDs from
+    65536 up, the plugin's read-only bind is plain (no C{idmapped} in the
+    container's mountinfo), so the broker directory shows as the overflow
+    UID; the C and the Python client each get their own host PID.
+    """
+    for prefix, manifest, answer in (
+            ("userns-nri", workloads.pod(RESTRICTED, "userns-nri"), (1,)),
+            ("userns-nri-python", project_pod(RESTRICTED, "userns-nri-python", images), ())):
+        run, seen = userns_run(kube, manifest)
+        inside, outside, length = seen["uid_map"]
+        assert (inside, length) == (0, 65536) and outside >= 65536 and outside % 65536 == 0, \
+            (prefix, seen)
+        assert seen["uidmap"] == f"0 {outside} 65536", (prefix, seen)
+        assert seen[BROKER_PATH] is not None and "ro" in seen[BROKER_PATH], (prefix, seen)
+        assert "idmapped" not in seen[BROKER_PATH], (prefix, seen)
+        assert seen["owner"] == str(OVERFLOW_UID), (prefix, seen)
+        assert run.facts()["gate"] == "1" and run.facts()["uid"] == "1000", run.stdout
+        assert run.exit_code == 0, run.stdout
+        assert run.nspid == (run.host_pid, 1)
+        assert run.answer() == (run.host_pid, *answer), run.stdout
 
 
 def burst(kube: Cluster, label: str) -> list[workloads.Run]:
@@ -373,6 +433,31 @@ def test_6_webhook(kube: Cluster, release: Release) -> None:
     assert run.exit_code == 1 and "hostpid_client: gate: " in run.stdout, run.stdout
     kube.kubectl("-n", NAMESPACE, "scale", "deployment/hostpid-webhook", "--replicas=2")
     print(release.rollout("deployment", "hostpid-webhook"))
+
+
+def test_6b_userns_webhook(kube: Cluster, release: Release) -> None:
+    """
+    The webhook path (mode C{mounts}) for a C{hostUsers: false} GPU pod that
+    adds no capability: the webhook gives it the broker's C{hostPath}
+    volumes, and the real kubelet sets the pod's mapping on every mount
+    (docs/userns.md, the webhook row): runc 1.5 makes both idmapped
+    (C{idmapped} in the container's mountinfo), the broker directory shows
+    as 0 inside, and the C client trusts it and gets its host PID.
+    """
+    manifest = workloads.pod(PRIVILEGED, "userns-webhook",
+                             labels={"hostpid.hami.io/nri": "disabled"})
+    run, seen = userns_run(kube, manifest)
+    stored = run.pod["spec"]
+    assert stored["hostUsers"] is False
+    paths = {v["hostPath"]["path"] for v in stored.get("volumes", []) if "hostPath" in v}
+    assert str(release.paths.broker_dir) in paths, stored.get("volumes")
+    assert seen[BROKER_PATH] is not None and "ro" in seen[BROKER_PATH], seen
+    assert "idmapped" in seen[BROKER_PATH], seen
+    assert seen[LOCK_PARENT] is not None and "idmapped" in seen[LOCK_PARENT], seen
+    assert seen["owner"] == "0", seen
+    assert run.facts()["gate"] == "1" and run.facts()["broker-mounts"] == "1", run.stdout
+    assert run.exit_code == 0, run.stdout
+    assert run.answer() == (run.host_pid, 1), run.stdout
 
 
 def nri_ready(kube: Cluster) -> bool:
