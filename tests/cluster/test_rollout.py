@@ -11,14 +11,13 @@ status}, as the docs run them:
    enforces Pod Security C{restricted} gets the mounts and the gate, and the
    C and Python clients in it get their own host PID, checked against the
    host's C{/proc}; a pod without a GPU gets nothing; a C{hostPath} pod there
-   is refused by the API server; a user-namespaced (C{hostUsers: false})
-   GPU pod there gets the NRI plugin's plain mount and its host PID;
+   is refused by the API server;
 3. a burst of GPU pods, disabled and enabled: creation to first answer;
 4. roll forward to a second image tag while GPU pods query in a loop;
 5. the webhook path: the API server calls the webhook over TLS through its
-   Service; a user-namespaced pod's broker volume is idmapped by the
-   kubelet and its client trusts it; with the webhook scaled to 0, GPU pods
-   are still admitted;
+   Service; with the webhook scaled to 0, GPU pods are still admitted;
+   user-namespaced GPU pods get their host PID through the NRI plugin's
+   plain mount and through the webhook's volumes, which the kubelet idmaps;
 6. a node restart (containerd and the kubelet);
 7. the rollback, gates off then the broker: new pods get nothing, pods
    created while it was on keep running and fall back once the socket is
@@ -177,32 +176,6 @@ def userns_run(kube: Cluster, manifest: dict[str, Any]) -> tuple[workloads.Run, 
     seen.update(userns_facts(run.stdout))
     print(f"\n[cluster] hostUsers: false {namespace}/{name}: {seen}")
     return run, seen
-
-
-def test_2b_userns_nri_restricted(kube: Cluster, release: Release,
-                                  images: dict[str, str]) -> None:
-    """
-    A C{hostUsers: false} GPU pod in the C{restricted} namespace, NRI path
-    (docs/userns.md, the NRI row): the kubelet gives it 65536 IDs from
-    65536 up, the plugin's read-only bind is plain (no C{idmapped} in the
-    container's mountinfo), so the broker directory shows as the overflow
-    UID; the C and the Python client each get their own host PID.
-    """
-    for prefix, manifest, answer in (
-            ("userns-nri", workloads.pod(RESTRICTED, "userns-nri"), (1,)),
-            ("userns-nri-python", project_pod(RESTRICTED, "userns-nri-python", images), ())):
-        run, seen = userns_run(kube, manifest)
-        inside, outside, length = seen["uid_map"]
-        assert (inside, length) == (0, 65536) and outside >= 65536 and outside % 65536 == 0, \
-            (prefix, seen)
-        assert seen["uidmap"] == f"0 {outside} 65536", (prefix, seen)
-        assert seen[BROKER_PATH] is not None and "ro" in seen[BROKER_PATH], (prefix, seen)
-        assert "idmapped" not in seen[BROKER_PATH], (prefix, seen)
-        assert seen["owner"] == str(OVERFLOW_UID), (prefix, seen)
-        assert run.facts()["gate"] == "1" and run.facts()["uid"] == "1000", run.stdout
-        assert run.exit_code == 0, run.stdout
-        assert run.nspid == (run.host_pid, 1)
-        assert run.answer() == (run.host_pid, *answer), run.stdout
 
 
 def burst(kube: Cluster, label: str) -> list[workloads.Run]:
@@ -435,29 +408,73 @@ def test_6_webhook(kube: Cluster, release: Release) -> None:
     print(release.rollout("deployment", "hostpid-webhook"))
 
 
-def test_6b_userns_webhook(kube: Cluster, release: Release) -> None:
+def test_6b_user_namespaces(kube: Cluster, release: Release, gpus: DevicePlugin,
+                            deviceplugin_messages: object, images: dict[str, str]) -> None:
     """
-    The webhook path (mode C{mounts}) for a C{hostUsers: false} GPU pod that
-    adds no capability: the webhook gives it the broker's C{hostPath}
-    volumes, and the real kubelet sets the pod's mapping on every mount
-    (docs/userns.md, the webhook row): runc 1.5 makes both idmapped
-    (C{idmapped} in the container's mountinfo), the broker directory shows
-    as 0 inside, and the C client trusts it and gets its host PID.
+    C{hostUsers: false} GPU pods on the real kubelet (docs/userns.md, "What
+    each path gives"), each given 65536 IDs from a multiple of 65536:
+
+    - NRI path, the C{restricted} namespace: the plugin's read-only bind is
+      plain (no C{idmapped} in the container's mountinfo, read from the
+      host), so the broker directory shows as the overflow UID; the C and
+      the Python client each get their own host PID;
+    - webhook path (mode C{mounts}, a C{privileged} namespace, no
+      capability added): the kubelet puts the pod's mapping on every mount,
+      so runc 1.5 makes the broker volume and the lock parent idmapped; the
+      directory shows as 0 and the C client gets its host PID.
+
+    The session's GPUs are private nodes, not at C{/dev/nvidiaN} on the host,
+    so for these pods a plugin hands out GPUs at their own host paths (the
+    NRI plugin is told that path as a device signal), then the session's
+    plugin registers again, as the CDI test does.
     """
-    manifest = workloads.pod(PRIVILEGED, "userns-webhook",
-                             labels={"hostpid.hami.io/nri": "disabled"})
-    run, seen = userns_run(kube, manifest)
-    stored = run.pod["spec"]
-    assert stored["hostUsers"] is False
-    paths = {v["hostPath"]["path"] for v in stored.get("volumes", []) if "hostPath" in v}
-    assert str(release.paths.broker_dir) in paths, stored.get("volumes")
-    assert seen[BROKER_PATH] is not None and "ro" in seen[BROKER_PATH], seen
-    assert "idmapped" in seen[BROKER_PATH], seen
-    assert seen[LOCK_PARENT] is not None and "idmapped" in seen[LOCK_PARENT], seen
-    assert seen["owner"] == "0", seen
-    assert run.facts()["gate"] == "1" and run.facts()["broker-mounts"] == "1", run.stdout
-    assert run.exit_code == 0, run.stdout
-    assert run.answer() == (run.host_pid, 1), run.stdout
+    from types import ModuleType
+
+    assert isinstance(deviceplugin_messages, ModuleType)
+    plugin = DevicePlugin(deviceplugin_messages, release.paths.userns_gpu_dir, 3, "devices",
+                          name="hostpid-test-gpu-userns", at_host_path=True)
+    plugin.start()
+    try:
+        wait_for(lambda: kube.get("node", "hostpid-node")["status"]["allocatable"]
+                 .get("nvidia.com/gpu") == "3", "the user-namespace plugin's GPUs", 60.0)
+        for manifest, answer in (
+                (workloads.pod(RESTRICTED, "userns-nri"), (1,)),
+                (project_pod(RESTRICTED, "userns-nri-python", images), ())):
+            run, seen = userns_run(kube, manifest)
+            name = manifest["metadata"]["name"]
+            inside, outside, length = seen["uid_map"]
+            assert (inside, length) == (0, 65536), (name, seen)
+            assert outside >= 65536 and outside % 65536 == 0, (name, seen)
+            assert seen["uidmap"] == f"0 {outside} 65536", (name, seen)
+            assert seen[BROKER_PATH] is not None and "ro" in seen[BROKER_PATH], (name, seen)
+            assert "idmapped" not in seen[BROKER_PATH], (name, seen)
+            assert seen["owner"] == str(OVERFLOW_UID), (name, seen)
+            assert run.facts()["gate"] == "1" and run.facts()["uid"] == "1000", run.stdout
+            assert run.exit_code == 0, run.stdout
+            assert run.nspid == (run.host_pid, 1)
+            assert run.answer() == (run.host_pid, *answer), run.stdout
+
+        manifest = workloads.pod(PRIVILEGED, "userns-webhook",
+                                 labels={"hostpid.hami.io/nri": "disabled"})
+        run, seen = userns_run(kube, manifest)
+        stored = run.pod["spec"]
+        assert stored["hostUsers"] is False
+        paths = {v["hostPath"]["path"] for v in stored.get("volumes", []) if "hostPath" in v}
+        assert str(release.paths.broker_dir) in paths, stored.get("volumes")
+        assert seen[BROKER_PATH] is not None and "ro" in seen[BROKER_PATH], seen
+        assert "idmapped" in seen[BROKER_PATH], seen
+        assert seen[LOCK_PARENT] is not None and "idmapped" in seen[LOCK_PARENT], seen
+        assert seen["owner"] == "0", seen
+        assert run.facts()["gate"] == "1" and run.facts()["broker-mounts"] == "1", run.stdout
+        assert run.exit_code == 0, run.stdout
+        assert run.answer() == (run.host_pid, 1), run.stdout
+        assert len(plugin.allocations) == 3
+    finally:
+        plugin.stop()
+        gpus._register()
+        wait_for(lambda: kube.get("node", "hostpid-node")["status"]["allocatable"]
+                 .get("nvidia.com/gpu") == str(len(gpus.devices)),
+                 "the session plugin's GPUs again", 60.0)
 
 
 def nri_ready(kube: Cluster) -> bool:
