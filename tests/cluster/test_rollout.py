@@ -165,7 +165,15 @@ def userns_run(kube: Cluster, manifest: dict[str, Any]) -> tuple[workloads.Run, 
     container["command"][2] = PROLOGUE + container["command"][2]
     namespace, name = manifest["metadata"]["namespace"], manifest["metadata"]["name"]
     workloads.start(kube, manifest)
-    host_pid = workloads.container_pid(kube, namespace, name)
+    try:
+        host_pid = workloads.container_pid(kube, namespace, name)
+    except AssertionError as error:
+        # Why the kubelet did not run it (a runtime without user-namespace
+        # support: "runtime does not support user namespaces").
+        events = kube.kubectl("-n", namespace, "get", "events", "--field-selector",
+                              f"involvedObject.name={name}", "-o",
+                              "custom-columns=REASON:.reason,MESSAGE:.message")
+        raise AssertionError(f"{error}\n{events}") from error
     seen: dict[str, Any] = {"uid_map": workloads.uid_map(host_pid)}
     for path in (BROKER_PATH, LOCK_PARENT):
         try:
