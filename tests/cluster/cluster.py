@@ -67,6 +67,17 @@ NODE_LABELS = "gpu=on"
 
 START_TIMEOUT = 180.0
 
+#: The node's OCI runtime, a L{crilib.RUNTIMES} cell's: runc 1.5.3, which
+#: makes idmapped mounts, so that user-namespaced pods run.
+RUNC_CELL = "runc15"
+
+
+def runc_binary() -> str:
+    """The node's runc (built into the cache once, L{builds.RUNC})."""
+    import crilib
+
+    return crilib.RUNTIMES[RUNC_CELL].oci_binary()
+
 #: The file naming the process (PID and start time) that owns a run's directory.
 OWNER = "owner"
 
@@ -264,10 +275,17 @@ class Cluster:
         package = crilib.unpacked_containerd(crilib.RELEASES["2.1"].suite)
         containerd_dir = self.workdir / "containerd"
         containerd_dir.mkdir(mode=0o711)
+        # runc 1.5.3 (built, L{crilib.RUNTIMES}C{["runc15"]}), not the
+        # host's 1.1.5: a C{hostUsers: false} pod needs a runtime whose
+        # C{runc features} reports idmapped mounts, or containerd reports no
+        # user-namespace support for the handler (containerd 2.1
+        # C{internal/cri/server/service.go} C{supportsCRIUserns}: the "user"
+        # namespace and C{mountExtensions.idmap.enabled}) and the kubelet
+        # refuses the pod (C{pkg/kubelet/userns} C{GetOrCreateUserNamespaceMappings}).
         self.containerd = crilib.Containerd(
             containerd_dir, package, self.cri_image, self.cri_messages,
             crilib.RELEASES["2.1"].config_version, nri=True, network=network(),
-            cni_plugins=("bridge", "host-local"))
+            cni_plugins=("bridge", "host-local"), runc=runc_binary())
         (self.workdir / "cgroup-root").write_text(self.containerd.cgroup_parent)
         self._prepare_cgroup_root(self.containerd.cgroup_parent)
         self.kubelet_root = self.workdir / "kubelet"
@@ -538,7 +556,7 @@ def reap_stale(root: Path = Path("/tmp"), current: Path | None = None) -> list[P
             continue
         marker = str(workdir)
         runc_root = workdir / "containerd" / "runc" / "k8s.io"
-        runc = shutil.which("runc")
+        runc = runc_binary()
         for container_id in os.listdir(runc_root) if runc_root.is_dir() and runc else []:
             subprocess.run([str(runc), "--root", str(runc_root), "delete", "--force",
                             container_id], capture_output=True, timeout=60, check=False)

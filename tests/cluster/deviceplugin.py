@@ -109,13 +109,21 @@ class DevicePlugin:
     """
 
     def __init__(self, messages: ModuleType, node_dir: Path, count: int, mode: str = "devices",
-                 cdi_dir: Path | None = None, name: str = "hostpid-test-gpu") -> None:
+                 cdi_dir: Path | None = None, name: str = "hostpid-test-gpu",
+                 at_host_path: bool = False) -> None:
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} not in {MODES}")
         if mode == "cdi" and cdi_dir is None:
             raise ValueError("mode cdi needs the runtime's CDI directory")
         self.pb = messages
         self.mode = mode
+        #: Mode C{"devices"}: each GPU at its node's own path in the
+        #: container, not C{/dev/nvidiaN}.  In a user namespace runc makes a
+        #: device node by binding the host's file at the OCI device's path
+        #: (the spec has no host path: C{libcontainer/rootfs_linux.go}
+        #: C{bindMountDeviceNode}); a real GPU's C{/dev/nvidia0} is there on
+        #: the host, the tier's private nodes are not.
+        self.at_host_path = at_host_path
         self.cdi_dir = cdi_dir
         self.socket = DEVICE_PLUGIN_DIR / f"{name}.sock"
         self.devices: dict[str, Path] = {}
@@ -156,7 +164,9 @@ class DevicePlugin:
             response = self.pb.ContainerAllocateResponse()
             if self.mode == "devices":
                 for device_id in ids:
-                    response.devices.add(container_path=f"/dev/nvidia{device_id}",
+                    node = self.devices[device_id]
+                    response.devices.add(container_path=str(node) if self.at_host_path
+                                         else f"/dev/nvidia{device_id}",
                                          host_path=str(self.devices[device_id]),
                                          permissions="rw")
             else:

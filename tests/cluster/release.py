@@ -49,12 +49,22 @@ class Paths:
         self.lock_root.chmod(0o1777)
         self.cdi_dir: Path = kube.containerd.cdi_dir
         self.nri_socket: Path = kube.containerd.nri_socket
+        #: The GPUs user-namespaced pods get, at their own host paths
+        #: (L{deviceplugin.DevicePlugin.at_host_path}): the NRI plugin is
+        #: told them as a device signal beside the default C{nvidia.com/gpu}.
+        self.userns_gpu_dir = kube.workdir / "dev-userns"
+
+    def userns_gpu_signal(self) -> str:
+        directory = str(self.userns_gpu_dir)
+        assert all(c.isalnum() or c in "/_-." for c in directory), directory
+        return f"device:re:{directory.replace('.', chr(92) + '.')}/nvidia[0-9]+"
 
     def values(self) -> dict[str, Any]:
         return {
             "broker": {"directory": str(self.broker_dir), "lockParent": str(self.lock_parent),
                        "cdi": {"enabled": True, "directory": str(self.cdi_dir)}},
-            "nri": {"socket": str(self.nri_socket)},
+            "nri": {"socket": str(self.nri_socket),
+                    "resources": ["nvidia.com/gpu", self.userns_gpu_signal()]},
         }
 
 

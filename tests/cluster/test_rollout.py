@@ -16,6 +16,8 @@ status}, as the docs run them:
 4. roll forward to a second image tag while GPU pods query in a loop;
 5. the webhook path: the API server calls the webhook over TLS through its
    Service; with the webhook scaled to 0, GPU pods are still admitted;
+   user-namespaced GPU pods get their host PID through the NRI plugin's
+   plain mount and through the webhook's volumes, which the kubelet idmaps;
 6. a node restart (containerd and the kubelet);
 7. the rollback, gates off then the broker: new pods get nothing, pods
    created while it was on keep running and fall back once the socket is
@@ -42,6 +44,8 @@ from cluster import Cluster
 from deviceplugin import DevicePlugin
 from release import NAMESPACE, Release
 from support import wait_for
+from test_userns_cri import OVERFLOW_UID, PROLOGUE
+from test_userns_cri import facts as userns_facts
 
 RESTRICTED = "gpu-restricted"
 PRIVILEGED = "gpu-privileged"
@@ -143,6 +147,43 @@ def test_2_enabled_nri_restricted(kube: Cluster, release: Release,
     assert refused.returncode != 0
     assert "violates PodSecurity \"restricted:" in refused.stderr
     assert 'uses restricted volume type "hostPath"' in refused.stderr
+
+
+BROKER_PATH = "/tmp/vgpulock/hostpid"
+LOCK_PARENT = "/tmp/vgpulock"
+
+
+def userns_run(kube: Cluster, manifest: dict[str, Any]) -> tuple[workloads.Run, dict[str, Any]]:
+    """
+    A C{hostUsers: false} workload: its script first prints its C{uid_map}
+    and the owner the broker directory shows inside; read from the host
+    while it waits, its mapping and the per-mount options of its broker
+    mount and lock parent (C{idmapped} or not), then its run.
+    """
+    manifest["spec"]["hostUsers"] = False
+    (container,) = manifest["spec"]["containers"]
+    container["command"][2] = PROLOGUE + container["command"][2]
+    namespace, name = manifest["metadata"]["namespace"], manifest["metadata"]["name"]
+    workloads.start(kube, manifest)
+    try:
+        host_pid = workloads.container_pid(kube, namespace, name)
+    except AssertionError as error:
+        # Why the kubelet did not run it (a runtime without user-namespace
+        # support: "runtime does not support user namespaces").
+        events = kube.kubectl("-n", namespace, "get", "events", "--field-selector",
+                              f"involvedObject.name={name}", "-o",
+                              "custom-columns=REASON:.reason,MESSAGE:.message")
+        raise AssertionError(f"{error}\n{events}") from error
+    seen: dict[str, Any] = {"uid_map": workloads.uid_map(host_pid)}
+    for path in (BROKER_PATH, LOCK_PARENT):
+        try:
+            seen[path] = workloads.mount_options(host_pid, path)
+        except AssertionError:
+            seen[path] = None
+    run = workloads.finish(kube, manifest)
+    seen.update(userns_facts(run.stdout))
+    print(f"\n[cluster] hostUsers: false {namespace}/{name}: {seen}")
+    return run, seen
 
 
 def burst(kube: Cluster, label: str) -> list[workloads.Run]:
@@ -373,6 +414,75 @@ def test_6_webhook(kube: Cluster, release: Release) -> None:
     assert run.exit_code == 1 and "hostpid_client: gate: " in run.stdout, run.stdout
     kube.kubectl("-n", NAMESPACE, "scale", "deployment/hostpid-webhook", "--replicas=2")
     print(release.rollout("deployment", "hostpid-webhook"))
+
+
+def test_6b_user_namespaces(kube: Cluster, release: Release, gpus: DevicePlugin,
+                            deviceplugin_messages: object, images: dict[str, str]) -> None:
+    """
+    C{hostUsers: false} GPU pods on the real kubelet (docs/userns.md, "What
+    each path gives"), each given 65536 IDs from a multiple of 65536:
+
+    - NRI path, the C{restricted} namespace: the plugin's read-only bind is
+      plain (no C{idmapped} in the container's mountinfo, read from the
+      host), so the broker directory shows as the overflow UID; the C and
+      the Python client each get their own host PID;
+    - webhook path (mode C{mounts}, a C{privileged} namespace, no
+      capability added): the kubelet puts the pod's mapping on every mount,
+      so runc 1.5 makes the broker volume and the lock parent idmapped; the
+      directory shows as 0 and the C client gets its host PID.
+
+    The session's GPUs are private nodes, not at C{/dev/nvidiaN} on the host,
+    so for these pods a plugin hands out GPUs at their own host paths (the
+    NRI plugin is told that path as a device signal), then the session's
+    plugin registers again, as the CDI test does.
+    """
+    from types import ModuleType
+
+    assert isinstance(deviceplugin_messages, ModuleType)
+    plugin = DevicePlugin(deviceplugin_messages, release.paths.userns_gpu_dir, 3, "devices",
+                          name="hostpid-test-gpu-userns", at_host_path=True)
+    plugin.start()
+    try:
+        wait_for(lambda: kube.get("node", "hostpid-node")["status"]["allocatable"]
+                 .get("nvidia.com/gpu") == "3", "the user-namespace plugin's GPUs", 60.0)
+        for manifest, answer in (
+                (workloads.pod(RESTRICTED, "userns-nri"), (1,)),
+                (project_pod(RESTRICTED, "userns-nri-python", images), ())):
+            run, seen = userns_run(kube, manifest)
+            name = manifest["metadata"]["name"]
+            inside, outside, length = seen["uid_map"]
+            assert (inside, length) == (0, 65536), (name, seen)
+            assert outside >= 65536 and outside % 65536 == 0, (name, seen)
+            assert seen["uidmap"] == f"0 {outside} 65536", (name, seen)
+            assert seen[BROKER_PATH] is not None and "ro" in seen[BROKER_PATH], (name, seen)
+            assert "idmapped" not in seen[BROKER_PATH], (name, seen)
+            assert seen["owner"] == str(OVERFLOW_UID), (name, seen)
+            assert run.facts()["gate"] == "1" and run.facts()["uid"] == "1000", run.stdout
+            assert run.exit_code == 0, run.stdout
+            assert run.nspid == (run.host_pid, 1)
+            assert run.answer() == (run.host_pid, *answer), run.stdout
+
+        manifest = workloads.pod(PRIVILEGED, "userns-webhook",
+                                 labels={"hostpid.hami.io/nri": "disabled"})
+        run, seen = userns_run(kube, manifest)
+        stored = run.pod["spec"]
+        assert stored["hostUsers"] is False
+        paths = {v["hostPath"]["path"] for v in stored.get("volumes", []) if "hostPath" in v}
+        assert str(release.paths.broker_dir) in paths, stored.get("volumes")
+        assert seen[BROKER_PATH] is not None and "ro" in seen[BROKER_PATH], seen
+        assert "idmapped" in seen[BROKER_PATH], seen
+        assert seen[LOCK_PARENT] is not None and "idmapped" in seen[LOCK_PARENT], seen
+        assert seen["owner"] == "0", seen
+        assert run.facts()["gate"] == "1" and run.facts()["broker-mounts"] == "1", run.stdout
+        assert run.exit_code == 0, run.stdout
+        assert run.answer() == (run.host_pid, 1), run.stdout
+        assert len(plugin.allocations) == 3
+    finally:
+        plugin.stop()
+        gpus._register()
+        wait_for(lambda: kube.get("node", "hostpid-node")["status"]["allocatable"]
+                 .get("nvidia.com/gpu") == str(len(gpus.devices)),
+                 "the session plugin's GPUs again", 60.0)
 
 
 def nri_ready(kube: Cluster) -> bool:

@@ -215,3 +215,26 @@ def release_each(uids: Mapping[str, str], timeout: float = 300.0) -> dict[str, i
         return len(released) == len(uids)
     wait_for(all_released, f"{len(uids)} workloads to start", timeout)
     return released
+
+
+def mount_options(host_pid: int, mount_point: str) -> tuple[str, ...]:
+    """
+    The per-mount options (C{/proc/PID/mountinfo}'s sixth field, read from
+    the host) of the container's mount at C{mount_point}, the topmost if
+    several: C{idmapped} is there when the mount carries an idmapping
+    (C{show_mnt_opts}, C{fs/proc_namespace.c}: C{is_idmapped_mnt}).
+    """
+    found: tuple[str, ...] | None = None
+    for line in Path(f"/proc/{host_pid}/mountinfo").read_text().splitlines():
+        fields = line.split()
+        if fields[4] == mount_point:
+            found = tuple(fields[5].split(","))
+    assert found is not None, f"no mount at {mount_point} in /proc/{host_pid}/mountinfo"
+    return found
+
+
+def uid_map(host_pid: int) -> tuple[int, int, int]:
+    """The container's one C{uid_map} line (inside, outside, length), read from the host."""
+    (line,) = Path(f"/proc/{host_pid}/uid_map").read_text().splitlines()
+    inside, outside, length = (int(n) for n in line.split())
+    return inside, outside, length
