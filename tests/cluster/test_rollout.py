@@ -424,7 +424,9 @@ def test_6b_user_namespaces(kube: Cluster, release: Release, gpus: DevicePlugin,
 
     - NRI path, the C{restricted} namespace: the plugin's read-only bind is
       plain (no C{idmapped} in the container's mountinfo, read from the
-      host), so the broker directory shows as the overflow UID; the C and
+      host) and both of its mounts carry C{nosuid,nodev,noexec} (the
+      image's plugin is the tree's: C{test_image}), so the broker directory
+      shows as the overflow UID; the C and
       the Python client each get their own host PID;
     - webhook path (mode C{mounts}, a C{privileged} namespace, no
       capability added): the kubelet puts the pod's mapping on every mount,
@@ -456,6 +458,9 @@ def test_6b_user_namespaces(kube: Cluster, release: Release, gpus: DevicePlugin,
             assert seen["uidmap"] == f"0 {outside} 65536", (name, seen)
             assert seen[BROKER_PATH] is not None and "ro" in seen[BROKER_PATH], (name, seen)
             assert "idmapped" not in seen[BROKER_PATH], (name, seen)
+            for path, access in ((BROKER_PATH, "ro"), (LOCK_PARENT, "rw")):
+                assert {access, "nosuid", "nodev", "noexec"} <= set(seen[path] or ()), (
+                    name, path, seen)
             assert seen["owner"] == str(OVERFLOW_UID), (name, seen)
             assert run.facts()["gate"] == "1" and run.facts()["uid"] == "1000", run.stdout
             assert run.exit_code == 0, run.stdout

@@ -135,11 +135,14 @@ class Runtime:
 #: writes runtime-spec 1.2.1, which crun 1.8.1 refuses ("unknown version
 #: specified"; trixie's crun 1.21 needs glibc 2.38), as
 #: C{test_crio.test_crio_with_bookworms_crun_creates_no_container} shows.
+#: C{containerd21runc15} is the cluster tier's node (containerd 2.1 with
+#: runc 1.5.3, tests/cluster/cluster.py), for the user-namespace tests.
 RUNTIMES: dict[str, Runtime] = {r.id: r for r in (
     Runtime("containerd17", "containerd", "1.7", "runc"),
     Runtime("containerd21", "containerd", "2.1", "runc"),
     Runtime("containerd24", "containerd", "2.4", "runc"),
     Runtime("runc15", "containerd", "2.4", "runc15"),
+    Runtime("containerd21runc15", "containerd", "2.1", "runc15"),
     Runtime("crio", "crio", "1.34", "runc15"),
     Runtime("criocrun", "crio", "1.34", "crun"),
 )}

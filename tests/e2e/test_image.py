@@ -30,6 +30,7 @@ the cached bases and podman's layer cache.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -245,6 +246,40 @@ def test_the_image_carries_the_command_and_no_build_tools(
     tools = run_in_image(podman, image, "/bin/sh", "-c",
                          "for c in gcc cc pip; do command -v $c; done; python -m pip --version")
     assert tools.stdout.strip() == "" and tools.returncode != 0, tools
+
+
+#: Where the runtime stage installs the package (the image's Python is 3.11).
+IMAGE_PACKAGE = "/opt/hostpid/venv/lib/python3.11/site-packages/hostpid"
+
+#: Run in the image: each of the installed package's Python files and its
+#: SHA-256, one a line.
+DIGEST_SCRIPT = (
+    "import hashlib, pathlib, sys\n"
+    "root = pathlib.Path(sys.argv[1])\n"
+    "for path in sorted(root.rglob('*.py')):\n"
+    "    print(path.relative_to(root), hashlib.sha256(path.read_bytes()).hexdigest())\n"
+)
+
+
+def test_the_image_carries_this_trees_code(podman: imagelib.Podman, image: str) -> None:
+    """
+    Every Python file of the tree's C{hostpid} package is in the image as
+    it is in the tree.  The runtime stage installs the wheels through
+    C{RUN --mount=type=bind,from=build}, whose layer podman's cache reused
+    whatever the build stage made (podman 4.3: the mounted stage's content
+    is not in the step's cache key; containers/buildah#4522, podman#17119),
+    so an image built after a change carried the code of the first build:
+    the Kubernetes tier then ran an NRI plugin without C{nosuid,nodev,noexec}.
+    """
+    package = REPO / "hostpid"
+    tree = {str(path.relative_to(package)): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(package.rglob("*.py")) if "__pycache__" not in path.parts}
+    result = run_in_image(podman, image, "python", "-c", DIGEST_SCRIPT, IMAGE_PACKAGE)
+    assert result.returncode == 0, result.stdout + result.stderr
+    installed = dict(line.split() for line in result.stdout.splitlines())
+    differing = sorted(name for name, digest in tree.items() if installed.get(name) != digest)
+    print(f"\n[image] {len(tree)} package files, {len(differing)} differing from the tree")
+    assert differing == [], f"the image's copies differ from the tree's: {differing}"
 
 
 def archive_names(archive: Path) -> tuple[list[str], str, list[str]]:

@@ -40,7 +40,9 @@ from test_nri_containerd import (
     restricted_pod,
     run_pod,
 )
+from test_nri_tenant import mount_options
 
+from hostpid.defaults import CONTAINER_BROKER_DIRECTORY, LOCK_PARENT
 from hostpid.gate import GATE_ENV
 
 pytestmark = pytest.mark.privileged
@@ -53,14 +55,18 @@ gpu_node = test_nri_containerd.gpu_node
 USERNS_BASE = 4 * 65536
 OVERFLOW_UID = 65534
 
-#: The cells with an OCI runtime that makes idmapped mounts (runc 1.2+).
-USERNS_CELLS = ["runc15", "crio"]
+#: The cells with an OCI runtime that makes idmapped mounts (runc 1.2+);
+#: C{containerd21runc15} is the cluster tier's pairing.
+USERNS_CELLS = ["runc15", "containerd21runc15", "crio"]
 
 #: What the container reports besides L{test_nri_containerd.SCRIPT}: its
-#: uid_map and the owner it sees of the broker's directory.
+#: uid_map, the owner it sees of the broker's directory and its own
+#: mountinfo lines of the lock parent and the broker's directory.
 PROLOGUE = ('echo "uidmap $(cat /proc/self/uid_map)"; '
             'set -- $(ls -lnd /tmp/vgpulock/hostpid 2>/dev/null) x x x; '
-            'echo "owner $3"; ')
+            'echo "owner $3"; '
+            f'grep {LOCK_PARENT} /proc/self/mountinfo | '
+            'while read -r line; do echo "mountinfo $line"; done; ')
 
 
 @pytest.fixture(scope="module", params=USERNS_CELLS)
@@ -136,6 +142,11 @@ def test_nri_plain_mount_in_a_user_namespace(kubelet: Kubelet, gpu_node: GpuNode
     The NRI plugin's mounts in a user-namespaced GPU pod: plain, so the
     broker's directory shows as the overflow UID; the client's rule for a
     namespace without the host's root applies and it is told its host PID.
+    Both mounts carry C{nosuid,nodev,noexec} in the container's own
+    mountinfo (per-mount options): runc 1.5 applies the spec's flags to a
+    bind mount in a user namespace too, by an C{MS_BIND|MS_REMOUNT} after the
+    bind (C{libcontainer/rootfs_linux.go} C{mountToRootfs}, case C{"bind"}),
+    and adding a flag is never refused there (only clearing a locked one).
     """
     run = run_pod(kubelet, "userns gpu, NRI mounts", userns_pod("userns-nri"),
                   [allocation(gpu_node)])
@@ -146,6 +157,12 @@ def test_nri_plain_mount_in_a_user_namespace(kubelet: Kubelet, gpu_node: GpuNode
     assert seen["owner"] == str(OVERFLOW_UID)
     assert run.exit_code == 0, (run.stdout, run.stderr)
     assert run.answer() == (run.host_pid, 1)
+    lock_parent = mount_options(run.stdout, LOCK_PARENT)
+    broker = mount_options(run.stdout, CONTAINER_BROKER_DIRECTORY)
+    print(f"[userns] NRI plain mount options: lock parent {sorted(lock_parent)}, "
+          f"broker {sorted(broker)}")
+    assert {"rw", "nosuid", "nodev", "noexec"} <= lock_parent, lock_parent
+    assert {"ro", "nosuid", "nodev", "noexec"} <= broker, broker
 
 
 @kernel_feature("idmapped_mounts")
