@@ -44,14 +44,30 @@ RELOADS = 3
 #: A client every 50 ms: the emulated machine forks ten times slower.
 INTERVAL_US = 50_000
 
+#: Where the unit's own lock parent preparation is pointed here: the suite's
+#: guard of C{/tmp/vgpulock} (tests/conftest.py) holds in the guest too, so
+#: the shipped C{ExecStartPre=} runs as shipped but for its C{--path}.
+LOCK_PARENT = Path("/run/hostpid-guest-vgpulock")
+
+
+def shipped_exec_start_pre() -> str:
+    """The service's one C{ExecStartPre=} line, as shipped."""
+    (line,) = [line for line in (UNITS / SERVICE).read_text().splitlines()
+               if line.startswith("ExecStartPre=")]
+    return line
+
+
 #: The one drop-in.  The interpreter of this machine's environments lives
-#: under /root, which the unit's ProtectHome=yes makes inaccessible; and the
-#: guest runs no journald, so the broker's output goes to a file the tests read.
-DROP_IN = """\
+#: under /root, which the unit's ProtectHome=yes makes inaccessible; the
+#: guest runs no journald, so the broker's output goes to a file the tests
+#: read; the lock parent it prepares is L{LOCK_PARENT}.
+DROP_IN = f"""\
 [Service]
 ProtectHome=read-only
 StandardOutput=append:/run/hostpid-broker.log
 StandardError=inherit
+ExecStartPre=
+{shipped_exec_start_pre()} --path {LOCK_PARENT}
 """
 
 
@@ -199,6 +215,22 @@ def reload_once(old: int) -> int:
         raise AssertionError(f"{e}\n{broker_log()[-4000:]}") from None
     assert active(), broker_log()[-4000:]
     return main_pid()
+
+
+def test_the_unit_prepares_the_lock_parent(installed: None) -> None:
+    """
+    The shipped C{ExecStartPre=} (pointed at L{LOCK_PARENT}) prepares the
+    lock parent, root's 01777, and, with the unit's gate on, its broker
+    mountpoint, root's 0755, before the broker starts: on a node without
+    the chart nothing else makes them.
+    """
+    reset_start_limit()
+    systemctl("restart", SERVICE)
+    wait_for(active, "the service to be active", scaled(60))
+    lock_parent = os.lstat(LOCK_PARENT)
+    assert (lock_parent.st_uid, oct(lock_parent.st_mode)) == (0, oct(0o41777))
+    mountpoint = os.lstat(LOCK_PARENT / "hostpid")
+    assert (mountpoint.st_uid, oct(mountpoint.st_mode)) == (0, oct(0o40755))
 
 
 def test_reload_hands_over_without_a_gap(installed: None, hamiload: Path) -> None:

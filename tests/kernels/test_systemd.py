@@ -20,7 +20,7 @@ from kernels import debian, matrix, schedule
 #: The guest's tests (see systemd_units.py).
 GUEST_TESTS = ("-q", "-ra", "-s", "tests/kernels/systemd_units.py")
 #: How many of them must pass.
-EXPECTED = 3
+EXPECTED = 4
 #: The reloads systemd_units.py makes.
 RELOADS = 3
 #: Boot, systemd's own start and four broker starts a test, all emulated.
