@@ -604,18 +604,6 @@ def _pids_naming(marker: str) -> list[int]:
 
 
 def _remove_cgroup_tree(parent: str) -> None:
-    root = Path("/sys/fs/cgroup")
-    for hierarchy in root.iterdir():
-        top = hierarchy / parent.lstrip("/")
-        if not top.is_dir():
-            continue
-        for directory in sorted((p for p in top.rglob("*") if p.is_dir()),
-                                key=lambda p: len(p.parts), reverse=True):
-            try:
-                directory.rmdir()
-            except OSError:
-                pass
-        try:
-            top.rmdir()
-        except OSError:
-            pass
+    from crilib import remove_cgroups
+
+    remove_cgroups(parent)

@@ -26,7 +26,7 @@ import attrs
 from cluster import Cluster
 from crilib import IMAGE as TEST_IMAGE
 from support import wait_for
-from test_nri_containerd import GO_FILE, SCRIPT, WORKLOAD_UID
+from test_nri_containerd import GO_FILE, SCRIPT, WORKLOAD_UID, script_facts
 
 GPU = "nvidia.com/gpu"
 
@@ -96,12 +96,7 @@ class Run:
     pod: Mapping[str, Any]
 
     def facts(self) -> dict[str, str]:
-        found = {}
-        for line in self.stdout.splitlines():
-            key, _, value = line.partition(" ")
-            if key in ("ns-pid", "gate", "broker-mounts", "uid", "gpu", "socket"):
-                found[key] = value
-        return found
+        return script_facts(self.stdout)
 
     def answer(self) -> tuple[int, ...] | None:
         lines = [line.split() for line in self.stdout.splitlines()]

@@ -323,6 +323,16 @@ def assert_restricted(pod: Mapping[str, Any]) -> None:
         assert not container.get("volumeMounts")
 
 
+def script_facts(stdout: str) -> dict[str, str]:
+    """The facts L{SCRIPT} prints, one C{KEY VALUE} line each."""
+    found = {}
+    for line in stdout.splitlines():
+        key, _, value = line.partition(" ")
+        if key in ("ns-pid", "gate", "broker-mounts", "uid", "gpu", "socket"):
+            found[key] = value
+    return found
+
+
 @attrs.frozen
 class PodRun:
     name: str
@@ -333,12 +343,7 @@ class PodRun:
     adjustment: Adjustment
 
     def facts(self) -> dict[str, str]:
-        found = {}
-        for line in self.stdout.splitlines():
-            key, _, value = line.partition(" ")
-            if key in ("ns-pid", "gate", "broker-mounts", "uid", "gpu", "socket"):
-                found[key] = value
-        return found
+        return script_facts(self.stdout)
 
     def lines(self, key: str) -> list[str]:
         """What follows C{key} on each line of the output that starts with it."""
