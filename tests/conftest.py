@@ -17,6 +17,15 @@ from pathlib import Path
 
 import pytest
 
+# gRPC's fork support off before anything imports gRPC (a test module's import at
+# collection included): the session's CRI channels and the cluster tier's device plugin keep
+# gRPC's threads running, and with fork support on gRPC restarts its poller in every child
+# the suite forks, where a preexec_fn that lowers RLIMIT_NOFILE or closes descriptors left it
+# polling a closed epoll: the child aborted (SIGABRT, "epoll_wait error: Bad file
+# descriptor") before it could exec the broker it was meant to be
+# (tests/e2e/crilib.py grpc_module says the same where gRPC is imported).
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 #: A downstream project's test module, run on purpose by tests/test_testing.py
 #: under trial and pytest as another UID; not part of this suite's collection.
 collect_ignore = ["downstream"]

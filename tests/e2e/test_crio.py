@@ -33,10 +33,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import grpc
 import pytest
 import test_nri_containerd
-from crilib import RUNTIMES, Containerds, running_runtime
+from crilib import RUNTIMES, Containerds, grpc_module, running_runtime
 from criolib import STRICT_HANDLER, Crio, default_config, default_handler, running_crio
 from test_nri_containerd import (
     NOTHING,
@@ -256,7 +255,7 @@ def test_crio_with_bookworms_crun_creates_no_container(
     """
     with running_runtime(RUNTIMES["criocrun"], cri_image, cri_messages, nri=False) as crio:
         kubelet = Kubelet(crio)
-        with pytest.raises(grpc.RpcError) as refused:
+        with pytest.raises(grpc_module().RpcError) as refused:
             created_spec(kubelet, restricted_pod("crun", gpu=False))
     details = refused.value.details()  # type: ignore[attr-defined]
     print(f"\n[crio] with crun 1.8.1: {details!r}")
