@@ -57,7 +57,4 @@ def test_gpu_pod_runs_with_its_cdi_device(kube: Cluster, gpus: DevicePlugin,
         assert run.facts()["gate"] == "unset"
     finally:
         cdi.stop()
-        gpus._register()
-        wait_for(lambda: kube.get("node", "hostpid-node")["status"]["allocatable"]
-                 .get("nvidia.com/gpu") == str(len(gpus.devices)),
-                 "the session plugin's GPUs again", 60.0)
+        workloads.restore_session_gpus(kube, gpus)

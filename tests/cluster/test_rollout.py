@@ -484,10 +484,7 @@ def test_6b_user_namespaces(kube: Cluster, release: Release, gpus: DevicePlugin,
         assert len(plugin.allocations) == 3
     finally:
         plugin.stop()
-        gpus._register()
-        wait_for(lambda: kube.get("node", "hostpid-node")["status"]["allocatable"]
-                 .get("nvidia.com/gpu") == str(len(gpus.devices)),
-                 "the session plugin's GPUs again", 60.0)
+        workloads.restore_session_gpus(kube, gpus)
 
 
 def nri_ready(kube: Cluster) -> bool:

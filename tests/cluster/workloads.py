@@ -25,8 +25,9 @@ from typing import Any
 import attrs
 from cluster import Cluster
 from crilib import IMAGE as TEST_IMAGE
+from deviceplugin import DevicePlugin
 from support import wait_for
-from test_nri_containerd import GO_FILE, SCRIPT, WORKLOAD_UID, script_facts
+from test_nri_containerd import GO_FILE, SCRIPT, WORKLOAD_UID, script_answer, script_facts
 
 GPU = "nvidia.com/gpu"
 
@@ -99,11 +100,7 @@ class Run:
         return script_facts(self.stdout)
 
     def answer(self) -> tuple[int, ...] | None:
-        lines = [line.split() for line in self.stdout.splitlines()]
-        numbers = [tuple(int(n) for n in fields) for fields in lines
-                   if fields and len(fields) <= 2 and all(n.isdigit() for n in fields)]
-        assert len(numbers) <= 1, self.stdout
-        return numbers[0] if numbers else None
+        return script_answer(self.stdout)
 
 
 def container_pid(kube: Cluster, namespace: str, name: str, timeout: float = 120.0) -> int:
@@ -233,3 +230,14 @@ def uid_map(host_pid: int) -> tuple[int, int, int]:
     (line,) = Path(f"/proc/{host_pid}/uid_map").read_text().splitlines()
     inside, outside, length = (int(n) for n in line.split())
     return inside, outside, length
+
+
+def restore_session_gpus(kube: Cluster, gpus: DevicePlugin) -> None:
+    """
+    After a test's own device plugin stopped: the session's plugin
+    registers again, and the node shows all its GPUs allocatable.
+    """
+    gpus._register()
+    wait_for(lambda: kube.get("node", "hostpid-node")["status"]["allocatable"]
+             .get("nvidia.com/gpu") == str(len(gpus.devices)),
+             "the session plugin's GPUs again", 60.0)

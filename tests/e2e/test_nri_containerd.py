@@ -333,6 +333,15 @@ def script_facts(stdout: str) -> dict[str, str]:
     return found
 
 
+def script_answer(stdout: str) -> tuple[int, ...] | None:
+    """The client's answer L{SCRIPT} prints (one line of one or two numbers), or None."""
+    lines = [line.split() for line in stdout.splitlines()]
+    numbers = [tuple(int(n) for n in fields) for fields in lines
+               if fields and len(fields) <= 2 and all(n.isdigit() for n in fields)]
+    assert len(numbers) <= 1, stdout
+    return numbers[0] if numbers else None
+
+
 @attrs.frozen
 class PodRun:
     name: str
@@ -351,11 +360,7 @@ class PodRun:
                 if line.partition(" ")[0] == key]
 
     def answer(self) -> tuple[int, ...] | None:
-        lines = [line.split() for line in self.stdout.splitlines()]
-        numbers = [tuple(int(n) for n in fields) for fields in lines
-                   if fields and len(fields) <= 2 and all(n.isdigit() for n in fields)]
-        assert len(numbers) <= 1, self.stdout
-        return numbers[0] if numbers else None
+        return script_answer(self.stdout)
 
 
 def run_pod(kubelet: Kubelet, name: str, pod: Mapping[str, Any],
