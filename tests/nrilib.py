@@ -308,11 +308,13 @@ class NRIPluginProcess:
 
     @param metrics: a Unix socket path for C{--metrics}; then L{ready},
         L{wait_registered} and L{metric} read the plugin's own endpoints.
+    @param wrapper: a command line the plugin's is appended to (one that
+        sets up a namespace, then runs C{"$@"}).
     """
 
     def __init__(self, socket_path: Path | str, args: Iterable[str] = (), gate: str | None = "1",
                  env: Mapping[str, str] | None = None,
-                 metrics: Path | str | None = None) -> None:
+                 metrics: Path | str | None = None, wrapper: Iterable[str] = ()) -> None:
         import subprocess
         import tempfile
 
@@ -327,7 +329,7 @@ class NRIPluginProcess:
         if gate is not None:
             environment["LIBVGPU_HOSTPID_BROKER"] = gate
         self._log = tempfile.TemporaryFile()
-        self.argv = [*TWISTD, "--nodaemon", "--pidfile=", "hostpid-nri",
+        self.argv = [*wrapper, *TWISTD, "--nodaemon", "--pidfile=", "hostpid-nri",
                      "--nri-socket", str(socket_path), *args]
         self.process = subprocess.Popen(
             self.argv, env=environment, stdin=subprocess.DEVNULL, stdout=self._log,

@@ -5,7 +5,9 @@ connection cap with the oldest evicted, a request deadline that trickled
 data does not extend, C{GET}/C{HEAD} only and no body, one request per
 connection, no traceback and no access log.
 
-  - C{/healthz}: the reactor answers;
+  - C{/healthz}: the reactor answers, and the last look found neither host
+    path this container was given removed on the host since (a restart binds
+    the new one);
   - C{/readyz}: 200 once the runtime has configured the plugin (registered
     alone, it is sent no container yet) and, with the gate on, while the
     last look at the host (L{hostpid.nri.service.Adjuster.last}: the one
@@ -43,7 +45,6 @@ from hostpid import defaults
 from hostpid.boundedhttp import (
     BoundedChannel,
     BoundedSite,
-    HealthResource,
     PrometheusResource,
     plain_text,
 )
@@ -85,6 +86,27 @@ def not_ready_because(service: Readiness,
     return None
 
 
+class LiveResource(Resource):
+    """
+    C{/healthz}: the reactor answers, and the last look found no host path
+    this container was given removed since (L{hostpid.nri.service.
+    removed_since_mounted}): only a restart binds the host's new one.
+    """
+
+    isLeaf = True
+
+    def __init__(self, stale: Callable[[], tuple[str, ...]] | None = None) -> None:
+        super().__init__()
+        self.stale = stale
+
+    def render_GET(self, request: Request) -> bytes:
+        gone = self.stale() if self.stale is not None else ()
+        if gone:
+            return plain_text(request, 503, f"restart me: {' and '.join(gone)} was removed on "
+                                            "the host since this container started")
+        return plain_text(request, 200, "ok")
+
+
 class ReadyResource(Resource):
     isLeaf = True
 
@@ -121,17 +143,19 @@ class HealthSite(BoundedSite):
 
 
 def health_site(service: Readiness, metrics: NRIMetrics | None, reactor: Any = None,
-                host: Callable[[], HostState | None] | None = None) -> HealthSite:
+                host: Callable[[], HostState | None] | None = None,
+                stale: Callable[[], tuple[str, ...]] | None = None) -> HealthSite:
     """
     @param metrics: served at C{/metrics}; None for the probes' site.
     @param host: the last look at the host (L{hostpid.nri.service.Adjuster.last}),
         never a new one; None with the gate off, when the host's state
         changes nothing.
+    @param stale: the host paths the last look found removed since mounted.
     """
     root = Resource()
     if metrics is not None:
         root.putChild(b"metrics", PrometheusResource(metrics.registry))
-    root.putChild(b"healthz", HealthResource())
+    root.putChild(b"healthz", LiveResource(stale))
     root.putChild(b"readyz", ReadyResource(service, host))
     return HealthSite(root, defaults.METRICS_MAX_CONNECTIONS, defaults.METRICS_REQUEST_TIMEOUT,
                       reactor=reactor)

@@ -324,6 +324,7 @@ def makeService(options: Options | dict[str, Any], reactor: Any = None) -> IServ
             endpoint = getattr(options, f"{name}Endpoint", None) or \
                 endpoints.serverFromString(reactor, options[name])
             site = health_site(client, metrics if metered else None, reactor,
-                               host=(lambda: adjuster.last) if config.gate else None)
+                               host=(lambda: adjuster.last) if config.gate else None,
+                               stale=lambda: adjuster.stale)
             HealthEndpointService(endpoint, site).setServiceParent(root)
     return root
