@@ -300,7 +300,23 @@ def test_the_plugin_mounts_the_lock_parent_itself(lock_parent: str) -> None:
 ])
 def test_a_lock_parent_the_plugin_could_not_check_is_refused(lock_parent: str) -> None:
     message = str(refusal(merge(ON, sets(f"broker.lockParent={lock_parent}"))))
-    assert "a name directly in /tmp" in message or "lockParent" in message, message
+    assert f"broker.lockParent=\"{lock_parent}\" with nri.enabled=true" in message or (
+        "broker.lockParent must not be /" in message), message  # the broker's own rule
     # The broker alone still takes it (its preparation walks the host's directories).
     if lock_parent not in ("/tmp", "/tmp/", "/tmp/..", "/tmp/.", "/tmp/../etc"):
         render(sets(f"broker.lockParent={lock_parent}"))
+
+
+def test_a_lock_parent_outside_tmp_on_the_operators_word() -> None:
+    """
+    nri.allowLockParentOutsideTmp admits a deeper lock parent (the cluster
+    tier's is in its own node root), never one with a "." or ".." component.
+    """
+    allow = merge(ON, sets("nri.allowLockParentOutsideTmp=true"))
+    spec = plugin_daemonset(render(merge(allow, sets("broker.lockParent=/var/lib/gpu/vgpulock"))))[
+        "spec"]["template"]["spec"]
+    assert {"path": "/var/lib/gpu/vgpulock", "type": "DirectoryOrCreate"} in [
+        v["hostPath"] for v in spec["volumes"] if "hostPath" in v]
+    for lock_parent in ("/tmp/a/../vgpulock", "/var/./vgpulock", "/var/vgpulock/", "/"):
+        message = str(refusal(merge(allow, sets(f"broker.lockParent={lock_parent}"))))
+        assert "no \".\" or \"..\" component" in message or "lockParent" in message, message
