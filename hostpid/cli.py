@@ -623,6 +623,11 @@ def _quick_options(
     return True
 
 
+def _quick_seconds(text: str | None, default: float) -> float | None:
+    """C{--timeout} as L{_seconds_value} reads it, C{default} when not given, None if invalid."""
+    return default if text is None else _seconds_value(text)
+
+
 def _probe_arguments(argv: Sequence[str]) -> _ProbeArguments | _NRIProbeArguments | None:
     """
     C{probe [--socket PATH] [--timeout S] [--trusted-uid UID]} or
@@ -637,12 +642,9 @@ def _probe_arguments(argv: Sequence[str]) -> _ProbeArguments | _NRIProbeArgument
         "--socket": defaults.BROKER_SOCKET, "--timeout": None, "--trusted-uid": None}
     if not _quick_options(argv[1:], options, {}):
         return None
-    timeout = defaults.DEADLINE
-    if options["--timeout"] is not None:
-        seconds = _seconds_value(options["--timeout"])
-        if seconds is None:
-            return None
-        timeout = seconds
+    timeout = _quick_seconds(options["--timeout"], defaults.DEADLINE)
+    if timeout is None:
+        return None
     uid = 0
     if options["--trusted-uid"] is not None:
         parsed = _uid_value(options["--trusted-uid"])
@@ -658,12 +660,9 @@ def _nri_probe_arguments(words: Sequence[str]) -> _NRIProbeArguments | None:
     flags = {"--ready": False}
     if not _quick_options(words, options, flags):
         return None
-    timeout = defaults.NRI_PROBE_TIMEOUT
-    if options["--timeout"] is not None:
-        seconds = _seconds_value(options["--timeout"])
-        if seconds is None:
-            return None
-        timeout = seconds
+    timeout = _quick_seconds(options["--timeout"], defaults.NRI_PROBE_TIMEOUT)
+    if timeout is None:
+        return None
     return _NRIProbeArguments(str(options["--address"]), flags["--ready"], timeout)
 
 

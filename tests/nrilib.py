@@ -288,6 +288,17 @@ class FakeRuntime:
         self.close()
 
 
+def host_tree(root: Path) -> Path:
+    """
+    C{root} as a node's host paths for the plugin: C{broker/} (the broker
+    directory) and C{tmp/vgpulock} (the lock parent, in a 0755 C{tmp}).
+    """
+    (root / "broker").mkdir()
+    (root / "tmp").mkdir(mode=0o755)
+    (root / "tmp" / "vgpulock").mkdir()
+    return root
+
+
 def http_get(path: Path | str, target: str, timeout: float = 5.0) -> tuple[int, str]:
     """C{GET target} over the Unix socket C{path} (a C{--metrics unix:PATH} endpoint)."""
     with socket.socket(socket.AF_UNIX) as sock:

@@ -9,6 +9,7 @@ that turning the gate on is a restart of the plugin and nothing else.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from typing import Any
@@ -109,36 +110,29 @@ class Options(usage.Options):
         self["resource"].append(value)
         self["signals"].extend(signals)
 
+    def seconds(self, name: str, low: float, high: float, above: bool = False) -> None:
+        """
+        Option C{name} as a number of seconds from C{low} (excluded when
+        C{above}) to C{high}, or a usage error naming both.
+        """
+        try:
+            value = float(self[name])
+        except ValueError:
+            value = math.nan
+        if not ((low < value) if above else (low <= value)) or not value <= high:
+            raise usage.UsageError(f"--{name} must be a number of seconds from {low:g} to "
+                                   f"{high:g}, got {self[name]!r}")
+        self[name] = value
+
     def postOptions(self) -> None:
         if not INDEX.fullmatch(self["plugin-index"] or ""):
             raise usage.UsageError(f"--plugin-index must be two digits (NRI's rule), "
                                    f"got {self['plugin-index']!r}")
         if not self["nri-socket"]:
             raise usage.UsageError("--nri-socket must name the runtime's NRI socket")
-        try:
-            timeout = float(self["registration-timeout"])
-        except ValueError:
-            timeout = -1.0
-        if not 0 < timeout <= 60:
-            raise usage.UsageError("--registration-timeout must be a number of seconds "
-                                   f"from 0 to 60, got {self['registration-timeout']!r}")
-        self["registration-timeout"] = timeout
-        try:
-            drain = float(self["drain"])
-        except ValueError:
-            drain = -1.0
-        if not 0 <= drain <= 30:
-            raise usage.UsageError("--drain must be a number of seconds from 0 to 30, "
-                                   f"got {self['drain']!r}")
-        self["drain"] = drain
-        try:
-            interval = float(self["host-look-interval"])
-        except ValueError:
-            interval = -1.0
-        if not 1 <= interval <= 3600:
-            raise usage.UsageError("--host-look-interval must be a number of seconds from 1 to "
-                                   f"3600, got {self['host-look-interval']!r}")
-        self["host-look-interval"] = interval
+        self.seconds("registration-timeout", 0, 60, above=True)
+        self.seconds("drain", 0, 30)
+        self.seconds("host-look-interval", 1, 3600)
         if self["nri-fd"] is not None:
             from hostpid.nri.launched import inherited_socket_error
 

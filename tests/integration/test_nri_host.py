@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from nrilib import FakeRuntime, NRIPluginProcess, container, gpu_container, http_get, pod
+from nrilib import FakeRuntime, NRIPluginProcess, container, gpu_container, host_tree, http_get, pod
 from support import WAIT_SECONDS, require_root, scaled, wait_for
 
 from hostpid.nri import api_pb2
@@ -42,10 +42,7 @@ FRAME_CAP = 4 * 1024 * 1024 - 256
 @pytest.fixture
 def where(tmp_path: Path) -> Path:
     require_root()
-    (tmp_path / "broker").mkdir()
-    (tmp_path / "tmp").mkdir(mode=0o755)
-    (tmp_path / "tmp" / "vgpulock").mkdir()
-    return tmp_path
+    return host_tree(tmp_path)
 
 
 def plugin(where: Path, lock_parent: Path | None = None) -> NRIPluginProcess:

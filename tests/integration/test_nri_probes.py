@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pytest
 from attackers import TCP_CONNECT_FLOOD
-from nrilib import FakeRuntime, NRIPluginProcess, gpu_container, http_get, pod
+from nrilib import FakeRuntime, NRIPluginProcess, gpu_container, host_tree, http_get, pod
 from support import WAIT_SECONDS, hostpid_argv, require_root, scaled, subprocess_env
 
 #: The kubelet's probe timeout in the chart (C{timeoutSeconds}) and its
@@ -52,10 +52,7 @@ MAX_ROUNDS = 30
 @pytest.fixture
 def where(tmp_path: Path) -> Path:
     require_root()
-    (tmp_path / "broker").mkdir()
-    (tmp_path / "tmp").mkdir(mode=0o755)
-    (tmp_path / "tmp" / "vgpulock").mkdir()
-    return tmp_path
+    return host_tree(tmp_path)
 
 
 def free_port() -> int:
