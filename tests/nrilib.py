@@ -299,6 +299,19 @@ def host_tree(root: Path) -> Path:
     return root
 
 
+def unfreeze(path: Path) -> None:
+    """
+    Clear the immutable attribute below C{path} (where preparation sets one on
+    the broker mountpoint) so that root can remove what the plugin made.
+    """
+    import shutil
+    import subprocess
+
+    chattr = shutil.which("chattr")
+    if chattr is not None:
+        subprocess.run([chattr, "-R", "-i", str(path)], capture_output=True, check=False)
+
+
 def http_get(path: Path | str, target: str, timeout: float = 5.0) -> tuple[int, str]:
     """C{GET target} over the Unix socket C{path} (a C{--metrics unix:PATH} endpoint)."""
     with socket.socket(socket.AF_UNIX) as sock:

@@ -30,7 +30,7 @@ import stat
 import subprocess
 from pathlib import Path
 
-from nrilib import FakeRuntime, NRIPluginProcess, gpu_container, http_get, pod
+from nrilib import FakeRuntime, NRIPluginProcess, gpu_container, http_get, pod, unfreeze
 from support import WAIT_SECONDS, require_root, require_tool
 
 from hostpid.nri import api_pb2
@@ -92,6 +92,7 @@ def test_the_plugin_repairs_with_the_lock_parent_alone(tmp_path: Path) -> None:
         assert "Read-only file system" in in_view.stdout and in_view.returncode == 0, in_view
         assert http_get(tmp_path / "health.sock", "/healthz")[0] == 200
 
+        unfreeze(host)
         shutil.rmtree(host)
         host.mkdir()
         assert connection.create_container(pod(), gpu_container()).adjust == \

@@ -36,7 +36,15 @@ from pathlib import Path
 
 import pytest
 from attackers import TCP_CONNECT_FLOOD
-from nrilib import FakeRuntime, NRIPluginProcess, gpu_container, host_tree, http_get, pod
+from nrilib import (
+    FakeRuntime,
+    NRIPluginProcess,
+    gpu_container,
+    host_tree,
+    http_get,
+    pod,
+    unfreeze,
+)
 from support import WAIT_SECONDS, hostpid_argv, require_root, scaled, subprocess_env
 
 #: The kubelet's probe timeout in the chart (C{timeoutSeconds}) and its
@@ -127,6 +135,7 @@ def test_a_flooded_metrics_port_fails_no_exec_probe(where: Path) -> None:
 def plant(entry: Path) -> int:
     """A tenant's regular file at the broker mountpoint; its inode."""
     if entry.is_dir() and not entry.is_symlink():
+        unfreeze(entry)
         entry.rmdir()
     elif entry.exists() or entry.is_symlink():
         entry.unlink()
