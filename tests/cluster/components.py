@@ -113,15 +113,20 @@ def build_argv(version: str, out: str) -> list[str]:
 
 def go_env(workdir: Path) -> dict[str, str]:
     """
-    The Go toolchain's environment: the machine's Go and its module and
-    build caches (a rebuild of the same flags is a cache hit), no cgo (the
-    release binaries are static too), the module proxy only.
+    The Go toolchain's environment: the machine's Go, the module and build
+    caches the runtimes' builds use (L{builds.go_caches}: under the cache
+    directory unless the environment names others; a rebuild of the same
+    flags is a cache hit), no cgo (the release binaries are static too), the
+    module proxy only.
     """
+    from builds import go_caches
+
     env = {key: value for key, value in os.environ.items()
            if key in ("PATH", "HOME", "GOPATH", "GOCACHE", "GOMODCACHE", "GOPROXY",
                       "GONOSUMDB", "GOSUMDB", "GOTOOLCHAIN", "http_proxy", "https_proxy",
                       "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "no_proxy")}
     env.setdefault("HOME", "/root")
+    env.update(go_caches(CACHE))
     env.update(CGO_ENABLED="0", GOFLAGS="", GOWORK="off", PWD=str(workdir))
     return env
 
@@ -193,8 +198,8 @@ def etcd() -> Path:
     return unpacked_package(ETCD_SUITE, ETCD_PACKAGE)
 
 
-def versions(kubernetes_bin: Path, etcd_bin: Path) -> Mapping[str, str]:
-    """Each component's own account of its version, as it prints it."""
+def versions(kubernetes_bin: Path, etcd_bin: Path | None = None) -> Mapping[str, str]:
+    """Each component's own account of its version, as it prints it (etcd's when given)."""
     found = {}
     for command in COMMANDS:
         argv = [str(kubernetes_bin / command), "--version"]
@@ -203,6 +208,8 @@ def versions(kubernetes_bin: Path, etcd_bin: Path) -> Mapping[str, str]:
         output = subprocess.run(argv, capture_output=True, text=True, timeout=60,
                                 check=False).stdout
         found[command] = output.strip().splitlines()[0] if output.strip() else "?"
+    if etcd_bin is None:
+        return found
     output = subprocess.run([str(etcd_bin), "--version"], capture_output=True, text=True,
                             timeout=60, check=False).stdout
     found["etcd"] = output.strip().splitlines()[0] if output.strip() else "?"

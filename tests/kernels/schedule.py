@@ -40,12 +40,13 @@ WORKTREE = Path(__file__).resolve().parent.parent.parent
 
 @attrs.frozen
 class GuestJob:
-    """One VM run: a kernel, the guest's pytest arguments, a timeout, an init."""
+    """One VM run: a kernel, the guest's pytest arguments, a CPU budget, an init."""
 
     kernel: debian.Kernel
     #: C{None}: the kernel-sensitive subset (L{subset_arguments}).
     pytest_args: tuple[str, ...] | None
-    timeout: float
+    #: The CPU seconds its QEMU may use (L{vm.run}).
+    budget: float
     init: str = "script"
     #: Run tests/kernels/guest_canary.py after the tests.
     canary: bool = False
@@ -109,7 +110,7 @@ def run(job: GuestJob) -> vm.GuestRun:
         args = subset_arguments()
     unpacked = debian.obtain(job.kernel)
     return vm.run(
-        unpacked, args, WORKTREE, timeout=job.timeout, init=job.init, canary=job.canary
+        unpacked, args, WORKTREE, budget=job.budget, init=job.init, canary=job.canary
     )
 
 
