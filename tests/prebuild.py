@@ -14,7 +14,8 @@ version, and does nothing once it is there:
    initramfs (tests/kernels/debian.py, vm.py), containerd 1.7 and 2.1
    (tests/e2e/crilib.py), etcd (components.py), NRI's Go sources
    (tests/e2e/nrigolib.py);
- - the project's image, its two tags, and its Debian bases (tests/imagelib.py).
+ - the project's image, its two tags, and its Debian bases (tests/imagelib.py);
+ - the wheels the install tests install offline (tests/wheelhouse.py).
 
 Two lanes run side by side: the compiles, which keep both cores busy, and the
 fetches, which mostly wait on the network and the disk.  Each step prints a
@@ -46,6 +47,7 @@ import components  # noqa: E402
 import crilib  # noqa: E402
 import imagelib  # noqa: E402
 import nrigolib  # noqa: E402
+import wheelhouse  # noqa: E402
 from kernels import debian, vm  # noqa: E402
 
 
@@ -110,6 +112,7 @@ def steps() -> list[Step]:
     fetches += [Step(f"nri-{release.name}", "fetch", lambda release=release: _nri(release))
                 for release in nrigolib.NRI_RELEASES.values()]
     fetches.append(Step("image", "fetch", _image))
+    fetches.append(Step("wheelhouse", "fetch", lambda: [str(wheelhouse.dependencies())]))
     return compiles + fetches
 
 
