@@ -31,11 +31,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import attrs
+import load
 import pytest
 
 from kernels import debian, vm
 
 WORKTREE = Path(__file__).resolve().parent.parent.parent
+
+#: The host's collection of the subset, on a quiet machine (a few seconds),
+#: multiplied by the load measured when it starts (tests/load.py).
+COLLECT_TIMEOUT = 300.0
 
 
 @attrs.frozen
@@ -66,7 +71,8 @@ def subset_files(worktree: Path = WORKTREE) -> list[str]:
     listed = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "kernel",
          "-p", "no:cacheprovider", "tests"],
-        cwd=worktree, capture_output=True, text=True, timeout=300, check=False,
+        cwd=worktree, capture_output=True, text=True, timeout=COLLECT_TIMEOUT * load.factor(),
+        check=False,
         env={**{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},
              "HOSTPID_KERNEL_MATRIX": "0"},
     )
