@@ -17,10 +17,8 @@ from __future__ import annotations
 import configparser
 import hashlib
 import json
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from support import REPO
@@ -46,7 +44,7 @@ def requirements(extras: tuple[str, ...] = ("nri",)) -> list[str]:
 
 def dependencies() -> Path:
     """The directory of the dependencies' wheels, downloaded now if it is not there yet."""
-    from kernels.debian import CACHE
+    from kernels.debian import CACHE, filling
 
     wanted = {"requirements": requirements(), "pins": list(AGENT_PINS),
               "python": f"{sys.version_info.major}.{sys.version_info.minor}"}
@@ -54,21 +52,11 @@ def dependencies() -> Path:
     final = CACHE / "wheelhouse" / key
     if (final / ".complete").is_file():
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=final.parent))
-    try:
+    with filling(final, ".complete") as staging:
         for group in ([*wanted["requirements"]], *([pin] for pin in AGENT_PINS)):
             subprocess.run([*PIP, "download", "--only-binary=:all:", "--dest", str(staging),
                             *group], check=True, capture_output=True, text=True, timeout=900)
         (staging / ".complete").touch()
-        try:
-            staging.rename(final)
-        except OSError:
-            if not (final / ".complete").is_file():
-                raise
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
     return final
 
 

@@ -30,11 +30,10 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from kernels.debian import CACHE
+from kernels.debian import CACHE, filling
 
 #: The Kubernetes release the tier runs (user namespaces and DRA GA).
 KUBERNETES_VERSION = "v1.36.3"
@@ -165,9 +164,7 @@ def kubernetes(version: str = KUBERNETES_VERSION, cache: Path = CACHE) -> Path:
         return final
     if shutil.which("go") is None:
         raise RuntimeError("building Kubernetes needs Go on PATH (1.26 or newer)")
-    cache.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".kubernetes-{version}-", dir=cache))
-    try:
+    with filling(final, ".complete") as work:
         download = json.loads(_go(work.parent, "mod", "download", "-json",
                                   f"k8s.io/kubernetes@{version}"))
         upstream = Path(download["GoMod"]).read_text()
@@ -179,15 +176,6 @@ def kubernetes(version: str = KUBERNETES_VERSION, cache: Path = CACHE) -> Path:
         if missing:
             raise RuntimeError(f"go build left no {', '.join(missing)} in {work / 'bin'}")
         (work / ".complete").touch()
-        try:
-            work.rename(final)
-        except OSError:
-            # Another run finished first: use its build.
-            if not (final / ".complete").is_file():
-                raise
-    finally:
-        if work.exists():
-            shutil.rmtree(work, ignore_errors=True)
     return final
 
 

@@ -45,7 +45,7 @@ import attrs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernels.debian import CACHE  # noqa: E402
+from kernels.debian import CACHE, filling  # noqa: E402
 
 #: A cold build on this project's 2-core machines takes minutes (CRI-O most).
 BUILD_TIMEOUT = 3600.0
@@ -189,21 +189,10 @@ def obtain(build: GoBuild, cache: Path = CACHE) -> Path:
     final = cache / build.key
     if (final / "build.json").is_file():
         return final
-    cache.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{build.key}-", dir=cache))
-    try:
+    with filling(final, "build.json") as staging:
         record = build_into(build, staging, _go_env(staging))
         (staging / "build.json").write_text(json.dumps(record, indent=2) + "\n")
         os.chmod(staging, 0o755)
-        try:
-            staging.rename(final)
-        except OSError:
-            # Another run finished the same build first: keep its copy.
-            if not (final / "build.json").is_file():
-                raise
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
     return final
 
 
