@@ -22,8 +22,11 @@ from kernels import debian, schedule, vm
 
 #: Each VM's cap in the matrix, in CPU seconds of its QEMU (L{vm.run}): a
 #: guest's progress, which a loaded machine delays but does not use up.  The
-#: subset used MEASURED (see docs/testing.md); three times
-#: the most leaves room for a slower machine and still ends a guest that spins.
+#: subset's tests take 6-12 minutes of wall time a kernel on a quiet machine
+#: (docs/kernels.md's table: 360-740 s), with about one of the guest's two
+#: emulated CPUs busy, so about as many CPU seconds; 1,800 (the 18 minutes the
+#: old wall-clock cap allowed, now of CPU) leaves room for a slower CPU and still
+#: ends a guest that spins.
 VM_BUDGET = 1800.0
 
 
