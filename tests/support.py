@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+import load
 import pytest
 
 from hostpid import defaults, wire
@@ -77,15 +78,27 @@ def require_tool(name: str) -> str:
 def wait_for(
     condition: Callable[[], object], what: str, timeout: float = WAIT_SECONDS
 ) -> object:
-    """Poll C{condition} until it returns something true, failing after C{timeout}."""
-    deadline = time.monotonic() + timeout
+    """
+    Poll C{condition} until it returns something true, failing after
+    C{timeout} times the machine's load: when C{timeout} has passed, the load
+    is measured once (tests/load.py) and the wait goes on until C{timeout}
+    times that factor, so that a loaded machine slows what is awaited
+    without failing the wait (on a quiet one the factor is 1).
+    """
+    started = time.monotonic()
+    allowed, factor = timeout, None
     delay = 0.001
     while True:
         value = condition()
         if value:
             return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        if time.monotonic() - started > allowed:
+            if factor is None:
+                factor = load.factor()
+                allowed = timeout * factor
+                continue
+            loaded = f" (times the load factor {factor:g})" if factor != 1 else ""
+            raise AssertionError(f"timed out after {timeout}s{loaded} waiting for {what}")
         time.sleep(delay)
         delay = min(delay * 2, 0.05)
 

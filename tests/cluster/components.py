@@ -30,11 +30,10 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from kernels.debian import CACHE
+from kernels.debian import CACHE, filling
 
 #: The Kubernetes release the tier runs (user namespaces and DRA GA).
 KUBERNETES_VERSION = "v1.36.3"
@@ -113,15 +112,20 @@ def build_argv(version: str, out: str) -> list[str]:
 
 def go_env(workdir: Path) -> dict[str, str]:
     """
-    The Go toolchain's environment: the machine's Go and its module and
-    build caches (a rebuild of the same flags is a cache hit), no cgo (the
-    release binaries are static too), the module proxy only.
+    The Go toolchain's environment: the machine's Go, the module and build
+    caches the runtimes' builds use (L{builds.go_caches}: under the cache
+    directory unless the environment names others; a rebuild of the same
+    flags is a cache hit), no cgo (the release binaries are static too), the
+    module proxy only.
     """
+    from builds import go_caches
+
     env = {key: value for key, value in os.environ.items()
            if key in ("PATH", "HOME", "GOPATH", "GOCACHE", "GOMODCACHE", "GOPROXY",
                       "GONOSUMDB", "GOSUMDB", "GOTOOLCHAIN", "http_proxy", "https_proxy",
                       "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "no_proxy")}
     env.setdefault("HOME", "/root")
+    env.update(go_caches(CACHE))
     env.update(CGO_ENABLED="0", GOFLAGS="", GOWORK="off", PWD=str(workdir))
     return env
 
@@ -160,9 +164,7 @@ def kubernetes(version: str = KUBERNETES_VERSION, cache: Path = CACHE) -> Path:
         return final
     if shutil.which("go") is None:
         raise RuntimeError("building Kubernetes needs Go on PATH (1.26 or newer)")
-    cache.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".kubernetes-{version}-", dir=cache))
-    try:
+    with filling(final, ".complete") as work:
         download = json.loads(_go(work.parent, "mod", "download", "-json",
                                   f"k8s.io/kubernetes@{version}"))
         upstream = Path(download["GoMod"]).read_text()
@@ -174,15 +176,6 @@ def kubernetes(version: str = KUBERNETES_VERSION, cache: Path = CACHE) -> Path:
         if missing:
             raise RuntimeError(f"go build left no {', '.join(missing)} in {work / 'bin'}")
         (work / ".complete").touch()
-        try:
-            work.rename(final)
-        except OSError:
-            # Another run finished first: use its build.
-            if not (final / ".complete").is_file():
-                raise
-    finally:
-        if work.exists():
-            shutil.rmtree(work, ignore_errors=True)
     return final
 
 
@@ -193,8 +186,8 @@ def etcd() -> Path:
     return unpacked_package(ETCD_SUITE, ETCD_PACKAGE)
 
 
-def versions(kubernetes_bin: Path, etcd_bin: Path) -> Mapping[str, str]:
-    """Each component's own account of its version, as it prints it."""
+def versions(kubernetes_bin: Path, etcd_bin: Path | None = None) -> Mapping[str, str]:
+    """Each component's own account of its version, as it prints it (etcd's when given)."""
     found = {}
     for command in COMMANDS:
         argv = [str(kubernetes_bin / command), "--version"]
@@ -203,6 +196,8 @@ def versions(kubernetes_bin: Path, etcd_bin: Path) -> Mapping[str, str]:
         output = subprocess.run(argv, capture_output=True, text=True, timeout=60,
                                 check=False).stdout
         found[command] = output.strip().splitlines()[0] if output.strip() else "?"
+    if etcd_bin is None:
+        return found
     output = subprocess.run([str(etcd_bin), "--version"], capture_output=True, text=True,
                             timeout=60, check=False).stdout
     found["etcd"] = output.strip().splitlines()[0] if output.strip() else "?"

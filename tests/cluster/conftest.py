@@ -29,10 +29,11 @@ for path in (HERE, HERE.parent / "e2e"):
 import crilib  # noqa: E402
 from support import require_root, skip_or_fail  # noqa: E402
 
-#: The per-test cap (tests/budget.py) of the tier's tests: the first one pays,
-#: in its setup, for the Kubernetes build and the image build when the cache
-#: is cold (about 8 and 10 minutes on 2 cores); every wait inside a test has
-#: its own, shorter bound.
+#: The per-test cap (tests/budget.py, multiplied by the load measured when it
+#: is reached) of the tier's tests: under .ci/run the Kubernetes and image
+#: builds are made before the tests (tests/prebuild.py), but a run of the tier
+#: alone on a cold cache pays for them in the first test's setup (about 8 and
+#: 10 minutes on 2 cores); every wait inside a test has its own, shorter bound.
 CAP = 1500
 
 
