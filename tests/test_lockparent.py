@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import cast
 
 import pytest
-from support import hostpid_argv, require_root, subprocess_env
+from support import hostpid_argv, release_immutable, require_root, subprocess_env
 from twisted.logger import ILogObserver, globalLogPublisher
 
+from hostpid.node import fileattr
 from hostpid.node.lockparent import (
     BUILD_PREFIX,
     MARKER_NAME,
@@ -91,6 +92,14 @@ def assert_lock_parent(path: Path) -> None:
     assert stat.S_ISDIR(st.st_mode)
     assert st.st_uid == 0
     assert stat.S_IMODE(st.st_mode) == 0o1777
+
+
+def is_immutable(path: Path) -> bool:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        return fileattr.is_immutable(fd)
+    finally:
+        os.close(fd)
 
 
 def assert_mountpoint(path: Path) -> None:
@@ -322,10 +331,11 @@ def test_steps_are_reported_in_order(tree: Path) -> None:
         "lock-parent-mode-set",
         "mountpoint-built",
         "mountpoint-placed",
+        "mountpoint-sealed",
     ]
     seen.clear()
     prepare(tree, broker_enabled=True, between_steps=seen.append)
-    assert seen[-2:] == ["mountpoint-opened", "mountpoint-mode-set"]
+    assert seen[-3:] == ["mountpoint-opened", "mountpoint-mode-set", "mountpoint-sealed"]
 
 
 # The broker mountpoint ----------------------------------------------------
@@ -457,6 +467,7 @@ def test_planted_mountpoint_untouched_when_disabled(planted_tree: Path, case: st
 def test_root_owned_mountpoint_with_wrong_mode_restored(tree: Path) -> None:
     prepare(tree, broker_enabled=True)
     mountpoint = tree / "vgpulock" / "hostpid"
+    release_immutable(mountpoint)  # only root with CAP_LINUX_IMMUTABLE can chmod it
     os.chmod(mountpoint, 0o777)
     inode = os.stat(mountpoint).st_ino
     prepared = prepare(tree, broker_enabled=True)
@@ -468,41 +479,68 @@ def test_root_owned_mountpoint_with_wrong_mode_restored(tree: Path) -> None:
 
 
 def test_mountpoint_replaced_after_placement_is_detected(tree: Path) -> None:
-    """Only root can replace the placed directory; the final check still sees it."""
+    """
+    The placed directory is replaced before its immutable attribute is set
+    (a rename in a 0777 lock parent can do that): the check after the flag
+    sees it, the directory moved away loses the flag again (it is no longer
+    the mountpoint), and the preparation tries again: the directory now
+    there is kept and made immutable.
+    """
     mountpoint = tree / "vgpulock" / "hostpid"
+    aside = tree / "vgpulock" / "aside"
+    seen: list[str] = []
 
     def hook(step: str) -> None:
-        if step == "mountpoint-placed":
-            os.rename(mountpoint, tree / "vgpulock" / "aside")
+        seen.append(step)
+        if step == "mountpoint-placed" and not aside.exists():
+            os.rename(mountpoint, aside)
             os.mkdir(mountpoint, 0o755)
 
-    with pytest.raises(LockParentError) as caught:
-        prepare(tree, broker_enabled=True, between_steps=hook)
-    assert caught.value.path == str(mountpoint)
-    assert "changed while prepared" in caught.value.rule
+    prepared = prepare(tree, broker_enabled=True, between_steps=hook)
+    assert seen.count("mountpoint-sealed") == 2, seen
+    assert_mountpoint(mountpoint)
+    assert prepared.mountpoint_inode == os.stat(mountpoint).st_ino
+    assert is_immutable(mountpoint) and prepared.mountpoint_immutable
+    assert not is_immutable(aside)
+    os.rmdir(aside)
 
 
 def test_mountpoint_mode_changed_after_placement_is_detected(tree: Path) -> None:
+    """A mode changed between the placement and the flag is seen, and restored."""
     mountpoint = tree / "vgpulock" / "hostpid"
+    changed: list[int] = []
 
     def hook(step: str) -> None:
-        if step == "mountpoint-placed":
+        if step == "mountpoint-placed" and not changed:
             os.chmod(mountpoint, 0o777)
+            changed.append(os.stat(mountpoint).st_ino)
 
-    with pytest.raises(LockParentError, match="changed while prepared: mode is 0777"):
-        prepare(tree, broker_enabled=True, between_steps=hook)
+    prepared = prepare(tree, broker_enabled=True, between_steps=hook)
+    assert [(r.found, r.mode, r.action) for r in prepared.repairs] == [
+        ("directory", 0o777, "mode restored")]
+    assert_mountpoint(mountpoint)
+    assert changed == [os.stat(mountpoint).st_ino] and is_immutable(mountpoint)
 
 
 def test_adopted_mountpoint_mode_changed_after_chmod_is_detected(tree: Path) -> None:
+    """
+    Root (with CAP_LINUX_IMMUTABLE: nobody else can) clears the flag and
+    changes the mode between the restore and the flag: seen, and restored.
+    """
     prepare(tree, broker_enabled=True)
     mountpoint = tree / "vgpulock" / "hostpid"
+    changed: list[str] = []
 
     def hook(step: str) -> None:
-        if step == "mountpoint-mode-set":
+        if step == "mountpoint-mode-set" and not changed:
+            release_immutable(mountpoint)
             os.chmod(mountpoint, 0o777)
+            changed.append(step)
 
-    with pytest.raises(LockParentError, match="changed while prepared: mode is 0777"):
-        prepare(tree, broker_enabled=True, between_steps=hook)
+    prepared = prepare(tree, broker_enabled=True, between_steps=hook)
+    assert changed and [r.action for r in prepared.repairs] == ["mode restored"]
+    assert_mountpoint(mountpoint)
+    assert is_immutable(mountpoint)
 
 
 @pytest.mark.parametrize("planted", ["symlink", "directory"])
@@ -565,6 +603,7 @@ def test_removed_mountpoint_is_reported(tree: Path) -> None:
     (only root can remove it), is reported and counted when it is made again.
     """
     prepare(tree, broker_enabled=True)
+    release_immutable(tree / "vgpulock" / "hostpid")
     os.rmdir(tree / "vgpulock" / "hostpid")
     events: list[dict[str, object]] = []
     observer = cast(ILogObserver, events.append)

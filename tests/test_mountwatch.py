@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import cast
 
 import pytest_twisted
-from support import require_root
+from support import release_immutable, require_root
 from twisted.internet.defer import maybeDeferred
 from twisted.logger import ILogObserver, globalLogPublisher
 
@@ -28,7 +28,11 @@ def test_missing_and_replaced_are_logged_once(public_tmp: Path) -> None:
     assert watch.check() is None and watch.state == "unseen"  # not made yet: quiet
     prepare_lock_parent(str(lock_parent), broker_enabled=True)
     assert watch.check() is None and watch.state == "ok"
-    os.rmdir(lock_parent / "hostpid")  # what a root workload can do
+    # What root with CAP_LINUX_IMMUTABLE can do (the prepared mountpoint is
+    # immutable: a root workload without that capability no longer can).
+    release_immutable(lock_parent / "hostpid")
+    release_immutable(lock_parent / "hostpid")
+    os.rmdir(lock_parent / "hostpid")
     message = watch.check()
     assert message is not None and "missing" in message
     assert watch.check() is None, "logged once, not every interval"
@@ -53,6 +57,7 @@ def test_a_replacement_that_stays_is_logged_and_counted_once(public_tmp: Path) -
     watch = MountpointWatch(str(lock_parent))
     prepare_lock_parent(str(lock_parent), broker_enabled=True)
     assert watch.check() is None
+    release_immutable(lock_parent / "hostpid")
     os.rmdir(lock_parent / "hostpid")
     (lock_parent / "hostpid").symlink_to("/etc")
     assert watch.check() is not None
@@ -82,6 +87,7 @@ async def test_broker_logs_a_removed_mountpoint(public_tmp: Path, clean_reactor:
     broker.startService()
     try:
         broker.checkSocketPath()
+        release_immutable(lock_parent / "hostpid")
         os.rmdir(lock_parent / "hostpid")
         broker.checkSocketPath()
     finally:

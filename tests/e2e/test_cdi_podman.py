@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ from pathlib import Path
 import pytest
 from podmanlib import CdiNode
 from support import (
+    remove_tree,
     BrokerProcess,
     hostpid_argv,
     require_root,
@@ -53,7 +53,7 @@ def cdi_node() -> Iterator[CdiNode]:
         yield node
     finally:
         node.close()
-        shutil.rmtree(workdir, ignore_errors=True)
+        remove_tree(workdir, ignore_errors=True)
 
 
 @pytest.fixture

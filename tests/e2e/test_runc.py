@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,7 @@ from typing import Any
 import attrs
 import pytest
 from support import (
+    remove_tree,
     REPO,
     hostpid_argv,
     require_root,
@@ -278,7 +278,7 @@ def runtime() -> Iterator[Runtime]:
     try:
         yield Runtime(runc, workdir)
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        remove_tree(workdir, ignore_errors=True)
 
 
 @attrs.frozen
@@ -310,7 +310,7 @@ def private_node() -> Iterator[Node]:
     try:
         yield Node(broker_dir=home / "run" / "hostpid", lock_parent=home / "tmp" / "vgpulock")
     finally:
-        shutil.rmtree(home)
+        remove_tree(home)
 
 
 def allocate(node: Node, gate: str, request: dict[str, Any] | None = None

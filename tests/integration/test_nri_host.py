@@ -24,14 +24,13 @@ Why each check exists:
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from nrilib import FakeRuntime, NRIPluginProcess, container, gpu_container, http_get, pod
-from support import WAIT_SECONDS, require_root, scaled, wait_for
+from support import WAIT_SECONDS, remove_tree, require_root, scaled, wait_for
 
 from hostpid.nri import api_pb2
 
@@ -71,7 +70,7 @@ def test_ready_only_once_configured_and_while_the_lock_parent_exists(where: Path
         connection.synchronize()
         wait_for(lambda: readyz(where)[0] == 200, "ready once configured")
 
-        shutil.rmtree(lock_parent)
+        remove_tree(lock_parent)
         code, body = readyz(where)
         assert code == 503 and f"missing on the host: {lock_parent}" in body, body
         for _ in range(3):

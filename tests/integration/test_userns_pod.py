@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -30,7 +29,7 @@ import pytest
 import usernspod
 from clienttools import build_c_client
 from kernelfeatures import kernel_feature
-from support import BrokerProcess, require_root, skip_or_fail, subprocess_env
+from support import BrokerProcess, remove_tree, require_root, skip_or_fail, subprocess_env
 
 pytestmark = pytest.mark.privileged
 
@@ -47,7 +46,7 @@ def c_client() -> Iterator[Path]:
     try:
         yield build_c_client(directory)
     finally:
-        shutil.rmtree(directory, ignore_errors=True)
+        remove_tree(directory, ignore_errors=True)
 
 
 def _run_pod(kind: str, c_client: Path) -> dict:
@@ -102,7 +101,7 @@ def _run_pod(kind: str, c_client: Path) -> dict:
             result["broker_log"] = broker.output()
             return result
     finally:
-        shutil.rmtree(directory, ignore_errors=True)
+        remove_tree(directory, ignore_errors=True)
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -299,4 +298,4 @@ def test_one_pod_with_cap_sys_admin_and_another_pods_client(kind: str) -> None:
             if pod is not None:
                 if pod.poll() is None:
                     pod.communicate("\n", timeout=30)
-        shutil.rmtree(directory, ignore_errors=True)
+        remove_tree(directory, ignore_errors=True)
