@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import cast
 
 import pytest
-from support import hostpid_argv, release_immutable, require_root, subprocess_env
+from support import as_user_argv, hostpid_argv, release_immutable, require_root, subprocess_env
 from twisted.logger import ILogObserver, globalLogPublisher
 
 from hostpid.node import fileattr
@@ -744,3 +744,58 @@ def test_racing_planter_never_fails_an_allocation(tree: Path, kind: str) -> None
           f"quarantined per allocation: {quarantined}")
     assert failures == []
     assert max(quarantined) <= 1
+
+
+# A non-root run --------------------------------------------------------------
+
+
+def _run_cli_as(uid: int, *args: str, gate: str) -> subprocess.CompletedProcess[str]:
+    """C{hostpid ARGS} run by a real process of C{uid} (L{support.as_user_argv})."""
+    env = subprocess_env({"LIBVGPU_HOSTPID_BROKER": gate})
+    return subprocess.run(as_user_argv(uid, hostpid_argv(*args)), env=env,
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_non_root_prepare_creates_nothing_and_says_how_to_recover(tree: Path) -> None:
+    """
+    A UID 1000 C{hostpid prepare-lock-parent} where the lock parent does not
+    exist yet, in a C{/tmp}-like 01777 directory it can write: it must not
+    create it (a lock parent owned by that user is refused by root's
+    preparation and by a broker with C{--cdi-dir} from then on), and its
+    error says to run it as root.  Root's preparation then succeeds.
+    """
+    os.chmod(tree, 0o1777)
+    lock_parent = tree / "vgpulock"
+    refused = _run_cli_as(WORKLOAD_UID, "prepare-lock-parent", "--path", str(lock_parent),
+                          gate="1")
+    assert refused.returncode == 1 and refused.stdout == "", refused
+    assert not lock_parent.exists(), f"created by UID 1000: {os.lstat(lock_parent)}"
+    assert refused.stderr.count("\n") == 1, refused.stderr
+    assert f"{lock_parent}: does not exist, and this process runs as UID {WORKLOAD_UID}" \
+        in refused.stderr, refused.stderr
+    assert "run `hostpid prepare-lock-parent` as UID 0 (root)" in refused.stderr
+    prepared = _run_cli("prepare-lock-parent", "--path", str(lock_parent), gate="1")
+    assert prepared.returncode == 0, prepared.stderr
+    assert_lock_parent(lock_parent)
+    assert_mountpoint(lock_parent / "hostpid")
+    # Prepared, it can be checked by anyone: exit 0, nothing changed.
+    before = identity(lock_parent)
+    checked = _run_cli_as(WORKLOAD_UID, "prepare-lock-parent", "--path", str(lock_parent),
+                          gate="1")
+    assert checked.returncode == 0, checked.stderr
+    assert identity(lock_parent) == before
+
+
+def test_a_lock_parent_owned_by_a_user_names_the_recovery(tree: Path) -> None:
+    """
+    A lock parent a non-root run made before (an older release did) is left
+    untouched, and root's refusal says how to recover: move it aside.
+    """
+    os.mkdir(tree / "vgpulock", 0o755)
+    os.chown(tree / "vgpulock", WORKLOAD_UID, WORKLOAD_UID)
+    result = _run_cli("prepare-lock-parent", "--path", str(tree / "vgpulock"), gate="1")
+    assert result.returncode == 1, result
+    lock_parent = tree / "vgpulock"
+    assert f"is owned by UID {WORKLOAD_UID}, not the trusted UID 0" in result.stderr
+    assert f"mv {lock_parent} {lock_parent}.uid{WORKLOAD_UID}" in result.stderr, result.stderr
+    assert os.lstat(lock_parent).st_uid == WORKLOAD_UID and not (lock_parent / "hostpid").exists()

@@ -389,10 +389,24 @@ def _prepare(
     parent_fd = _open_parent(parts, trusted_uid)
     try:
         _step(between_steps, "parent-opened")
-        try:
-            os.mkdir(name, defaults.LOCK_PARENT_MODE, dir_fd=parent_fd)
-        except FileExistsError:
-            pass
+        euid = os.geteuid()
+        if euid not in (0, trusted_uid):
+            # What this process creates is its own, it cannot give it away,
+            # and an entry owned by anyone but the trusted UID is refused by
+            # every later preparation (root's included): look, never create.
+            if _lstat(name, parent_fd) is None:
+                raise LockParentError(
+                    shown,
+                    f"does not exist, and this process runs as UID {euid}: it would "
+                    f"create it owned by UID {euid}, which every preparation then refuses "
+                    f"(nothing was created); run `hostpid prepare-lock-parent` as UID "
+                    f"{trusted_uid}{' (root)' if trusted_uid == 0 else ''}",
+                )
+        else:
+            try:
+                os.mkdir(name, defaults.LOCK_PARENT_MODE, dir_fd=parent_fd)
+            except FileExistsError:
+                pass
         _step(between_steps, "lock-parent-made")
         child_fd = _open_directory(name, parent_fd, shown)
         try:
@@ -400,11 +414,18 @@ def _prepare(
             st = os.fstat(child_fd)
             if st.st_uid != trusted_uid:
                 raise LockParentError(
-                    shown, f"is owned by UID {st.st_uid}, not the trusted UID {trusted_uid}"
+                    shown,
+                    f"is owned by UID {st.st_uid}, not the trusted UID {trusted_uid}; nothing "
+                    f"in it is trusted (left untouched).  If a `hostpid prepare-lock-parent` "
+                    f"run as UID {st.st_uid} made it, move it aside as root (mv {shown} "
+                    f"{shown}.uid{st.st_uid}) and prepare again",
                 )
             # mkdir's mode was filtered by the umask, and an existing
-            # directory may have any mode: set it by descriptor.
-            os.fchmod(child_fd, defaults.LOCK_PARENT_MODE)
+            # directory may have any mode: set it by descriptor (unless it is
+            # right already, so that a process other than its owner can check
+            # a prepared lock parent).
+            if stat.S_IMODE(st.st_mode) != defaults.LOCK_PARENT_MODE:
+                os.fchmod(child_fd, defaults.LOCK_PARENT_MODE)
             _step(between_steps, "lock-parent-mode-set")
             final = _final_check(
                 child_fd, name, parent_fd, trusted_uid, defaults.LOCK_PARENT_MODE, shown
