@@ -34,10 +34,10 @@ from clienttools import (
     response,
 )
 from support import (
-    remove_tree,
     WAIT_SECONDS,
     BrokerProcess,
     open_fd_count,
+    remove_tree,
     require_root,
     running_broker,
     subprocess_env,

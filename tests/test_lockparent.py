@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import cast
 
 import pytest
+from kernelfeatures import kernel_feature
 from support import as_user_argv, hostpid_argv, release_immutable, require_root, subprocess_env
 from twisted.logger import ILogObserver, globalLogPublisher
 
@@ -478,6 +479,7 @@ def test_root_owned_mountpoint_with_wrong_mode_restored(tree: Path) -> None:
     assert os.stat(mountpoint).st_ino == inode
 
 
+@kernel_feature("immutable_tmp")
 def test_mountpoint_replaced_after_placement_is_detected(tree: Path) -> None:
     """
     The placed directory is replaced before its immutable attribute is set
@@ -505,6 +507,7 @@ def test_mountpoint_replaced_after_placement_is_detected(tree: Path) -> None:
     os.rmdir(aside)
 
 
+@kernel_feature("immutable_tmp")
 def test_mountpoint_mode_changed_after_placement_is_detected(tree: Path) -> None:
     """A mode changed between the placement and the flag is seen, and restored."""
     mountpoint = tree / "vgpulock" / "hostpid"
@@ -522,6 +525,7 @@ def test_mountpoint_mode_changed_after_placement_is_detected(tree: Path) -> None
     assert changed == [os.stat(mountpoint).st_ino] and is_immutable(mountpoint)
 
 
+@kernel_feature("immutable_tmp")
 def test_adopted_mountpoint_mode_changed_after_chmod_is_detected(tree: Path) -> None:
     """
     Root (with CAP_LINUX_IMMUTABLE: nobody else can) clears the flag and

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from kernelfeatures import kernel_feature
 from nrilib import gpu_container, pod
 from support import require_root, require_tool, subprocess_env
 from test_lockparent import WORKLOAD_UID, run_as
@@ -40,6 +41,10 @@ from hostpid.nri.decision import Config
 from hostpid.nri.hostcheck import HostCheck
 from hostpid.nri.service import Adjuster, NRIMetrics
 from hostpid.nri.tap import SocketEndpoint
+
+#: The NRI plugin gives a GPU container the broker only on a broker mountpoint it could make
+#: immutable: where /tmp's filesystem has no such attribute, these tests say so by name.
+pytestmark = kernel_feature("immutable_tmp")
 
 
 @pytest.fixture
@@ -167,6 +172,7 @@ from hostpid.nri import api_pb2
 from hostpid.nri.decision import Config
 from hostpid.nri.health import not_ready_because
 from hostpid.nri.service import Adjuster, NRIMetrics
+
 lock_parent, broker = sys.argv[1:3]
 metrics = NRIMetrics()
 adjuster = Adjuster(Config(gate=True, lock_parent=lock_parent, broker_dir=broker), metrics)

@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 from podmanlib import CdiNode
 from support import (
-    remove_tree,
     BrokerProcess,
     hostpid_argv,
+    remove_tree,
     require_root,
     running_broker,
     subprocess_env,

@@ -62,6 +62,7 @@ import kubeletlib
 import nriwindow
 import pytest
 from crilib import IMAGE_ETC_MARKER, read_cri_log, wait_exited
+from kernelfeatures import kernel_feature
 from support import as_user_argv, require_tool, subprocess_env, wait_for
 from test_nri_containerd import (
     GO_FILE,
@@ -93,7 +94,9 @@ from hostpid.nri.decision import OPT_OUT_KEY, OPT_OUT_VALUE
 # runtimes (the NRI cells), node, kubelet and plugin.
 __all__ = ["daemon", "gpu_node", "kubelet", "plugin"]
 
-pytestmark = pytest.mark.privileged
+#: The NRI plugin gives a GPU container the broker only on a broker mountpoint it could make
+#: immutable: where /tmp's filesystem has no such attribute, these tests say so by name.
+pytestmark = [pytest.mark.privileged, kernel_feature("immutable_tmp")]
 
 #: Set-user-ID bit and permissions the planting container's root gives its program.
 SETUID_MODE = "4755"

@@ -37,9 +37,9 @@ from typing import Any
 import attrs
 import pytest
 from support import (
-    remove_tree,
     REPO,
     hostpid_argv,
+    remove_tree,
     require_root,
     require_tool,
     running_broker,

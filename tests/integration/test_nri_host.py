@@ -29,10 +29,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from kernelfeatures import kernel_feature
 from nrilib import FakeRuntime, NRIPluginProcess, container, gpu_container, http_get, pod
 from support import WAIT_SECONDS, remove_tree, require_root, scaled, wait_for
 
 from hostpid.nri import api_pb2
+
+#: The NRI plugin gives a GPU container the broker only on a broker mountpoint it could make
+#: immutable: where /tmp's filesystem has no such attribute, these tests say so by name.
+pytestmark = kernel_feature("immutable_tmp")
+
 
 #: NRI's frame cap (ttrpc's C{messageLengthMax}), less room for the request's envelope.
 FRAME_CAP = 4 * 1024 * 1024 - 256
