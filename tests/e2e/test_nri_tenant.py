@@ -63,7 +63,7 @@ import nriwindow
 import pytest
 from crilib import IMAGE_ETC_MARKER, read_cri_log, wait_exited
 from kernelfeatures import kernel_feature
-from support import as_user_argv, require_tool, subprocess_env, wait_for
+from support import as_user_argv, release_immutable, require_tool, subprocess_env, wait_for
 from test_nri_containerd import (
     GO_FILE,
     NOTHING,
@@ -88,6 +88,7 @@ from test_nri_containerd import (
 )
 
 from hostpid import defaults
+from hostpid.node import fileattr
 from hostpid.nri.decision import OPT_OUT_KEY, OPT_OUT_VALUE
 
 # The module fixtures of test_nri_containerd, used here by name: the same
@@ -154,6 +155,9 @@ def tenant_replaces_mountpoint(kubelet: Kubelet, gpu_node: GpuNode, replace: str
     C{replace} in the lock parent.
     """
     device_plugin_allocates(gpu_node)
+    # As an older release left it: without the immutable attribute, which would refuse
+    # the tenant's rename (test_hami_node_chmod_loop_and_tenant_loop).
+    release_immutable(gpu_node.node.lock_parent / "hostpid")
     moved = f"moved-{uuid.uuid4().hex[:8]}"  # a new name: mv into a directory is no rename
     script = wait_go(f"cd {defaults.LOCK_PARENT} && /bin/busybox mv -T hostpid {moved} && "
                      f"{replace} && echo replaced && ls -la {defaults.LOCK_PARENT}")
@@ -198,9 +202,10 @@ def assert_sound(done: PodRun, gpu_node: GpuNode) -> None:
 def test_tenant_cannot_break_the_next_gpu_container(
         kubelet: Kubelet, gpu_node: GpuNode, plugin: Plugin) -> None:
     """
-    A file, then a symlink to C{/etc}, at C{<lock parent>/hostpid}: the next
+    A file, then a symlink to C{/etc}, at C{<lock parent>/hostpid} (made
+    without the immutable attribute, as an older release left it): the next
     GPU container starts each time, with its own C{/etc}; the plugin
-    repaired the entry (it is root's directory again) and says so.
+    repaired the entry (it is root's immutable directory again) and says so.
     """
     tenant_replaces_mountpoint(kubelet, gpu_node, "echo planted > hostpid")
     after_file = victim(kubelet, gpu_node, "after-file")
@@ -216,6 +221,11 @@ def test_tenant_cannot_break_the_next_gpu_container(
     assert not (gpu_node.node.lock_parent / "hostpid").is_symlink()
     assert entry.st_uid == 0 and oct(entry.st_mode & 0o7777) == oct(0o755)
     assert oct(os.stat(gpu_node.node.lock_parent).st_mode & 0o7777) == oct(0o1777)
+    held = os.open(gpu_node.node.lock_parent / "hostpid", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert fileattr.is_immutable(held), "repaired and made immutable"
+    finally:
+        os.close(held)
     assert plugin.output().count("repaired the broker mountpoint") == 2, plugin.output()
 
 
