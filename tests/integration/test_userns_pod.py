@@ -31,6 +31,8 @@ from clienttools import build_c_client
 from kernelfeatures import kernel_feature
 from support import BrokerProcess, remove_tree, require_root, skip_or_fail, subprocess_env
 
+from hostpid.node import fileattr
+
 pytestmark = pytest.mark.privileged
 
 IDMAP = pytest.param("idmap", marks=[pytest.mark.kernel, kernel_feature("idmapped_mounts")])
@@ -49,7 +51,7 @@ def c_client() -> Iterator[Path]:
         remove_tree(directory, ignore_errors=True)
 
 
-def _run_pod(kind: str, c_client: Path) -> dict:
+def _run_pod(kind: str, c_client: Path, immutable: bool = False) -> dict:
     require_root()
     directory = Path(tempfile.mkdtemp(prefix="hostpid-userns-", dir="/tmp"))
     try:
@@ -65,6 +67,13 @@ def _run_pod(kind: str, c_client: Path) -> dict:
         lock_parent.mkdir()
         lock_parent.chmod(0o1777)
         (lock_parent / "hostpid").mkdir(mode=0o755)
+        if immutable:
+            # As every preparation leaves it now (hostpid.node.lockparent).
+            held = os.open(lock_parent / "hostpid", os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                assert fileattr.set_immutable(held).immutable
+            finally:
+                os.close(held)
         env = subprocess_env()
         with BrokerProcess(directory / "broker") as broker:
             broker.wait_listening()
@@ -230,6 +239,21 @@ def test_lock_parent_idmapped_makes_pod_root_its_owner(pod: tuple[str, dict]) ->
     else:
         assert lock == {"owner": usernspod.NOBODY, "rmdir": "EPERM"}
         assert seen["lock_parent_left"]
+
+
+@pytest.mark.kernel
+@kernel_feature("idmapped_mounts", "immutable_tmp")
+def test_an_immutable_mountpoint_is_kept_from_the_idmapped_pods_root(c_client: Path) -> None:
+    """
+    The same pod root, through the same idmapped lock parent, owns the
+    mountpoint directory but cannot remove it once it is immutable (as every
+    preparation now leaves it): the kernel refuses an immutable inode's
+    removal before it asks who owns it, and the pod has no
+    C{CAP_LINUX_IMMUTABLE} in the initial user namespace to clear the flag.
+    """
+    seen = _run_pod("idmap", c_client, immutable=True)
+    assert seen["lock_parent"] == {"owner": 0, "rmdir": "EPERM"}, seen["lock_parent"]
+    assert seen["lock_parent_left"]
 
 
 def _start_neighbour(role: str, target: Path, source: Path, kind: str, base: int,
