@@ -255,7 +255,7 @@ def probe_immutable_tmp() -> tuple[bool, str]:
     """
     import tempfile
 
-    from hostpid.node import fileattr
+    from hostpid import fileattr
 
     directory = tempfile.mkdtemp(prefix="hostpid-immutable-probe-")
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)

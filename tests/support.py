@@ -78,11 +78,11 @@ def release_immutable(path: Path | str) -> None:
     """
     Clear the immutable attribute on every directory below C{path} (never
     following a link): a prepared broker mountpoint carries it
-    (L{hostpid.node.fileattr}), and neither C{rmtree} nor C{rm -rf} can
+    (L{hostpid.fileattr}), and neither C{rmtree} nor C{rm -rf} can
     remove an immutable directory.  Best effort: what cannot be opened or
     cleared is left for the removal to report.
     """
-    from hostpid.node import fileattr
+    from hostpid import fileattr
 
     for top, directories, _ in os.walk(path, topdown=False, followlinks=False):
         for name in [*directories, ""]:

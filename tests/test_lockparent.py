@@ -23,7 +23,7 @@ from kernelfeatures import kernel_feature
 from support import as_user_argv, hostpid_argv, release_immutable, require_root, subprocess_env
 from twisted.logger import ILogObserver, globalLogPublisher
 
-from hostpid.node import fileattr
+from hostpid import fileattr
 from hostpid.node.lockparent import (
     BUILD_PREFIX,
     MARKER_NAME,

@@ -64,9 +64,9 @@ from collections.abc import Callable
 import attrs
 from twisted.logger import Logger
 
-from hostpid import defaults
+from hostpid import defaults, fileattr
 from hostpid.errors import PathRuleError
-from hostpid.node import fileattr, renameat
+from hostpid.node import renameat
 
 log = Logger(namespace="hostpid.lockparent")
 

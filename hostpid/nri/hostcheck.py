@@ -24,7 +24,7 @@ When the mountpoint is wrong, not immutable, or the lock parent lost its
 sticky bit, it is repaired as C{hostpid allocate} repairs it: by
 L{hostpid.node.lockparent.prepare_lock_parent} (the same code, imported), which
 puts a finished root-owned 0755 directory in place atomically, makes it
-immutable (L{hostpid.node.fileattr}) and makes the lock parent root's 01777
+immutable (L{hostpid.fileattr}) and makes the lock parent root's 01777
 again.  The sticky bit alone is not enough: the device plugin takes it away
 again at its next allocation, at any moment between this look and the
 runtime's mount.  The immutable attribute holds whatever the lock parent's
@@ -54,8 +54,7 @@ from collections.abc import Callable
 
 import attrs
 
-from hostpid import defaults
-from hostpid.node import fileattr
+from hostpid import defaults, fileattr
 from hostpid.node.lockparent import (
     MOUNTPOINT_MODE,
     MOUNTPOINT_NAME,

@@ -87,8 +87,7 @@ from test_nri_containerd import (
     wait_running_pid,
 )
 
-from hostpid import defaults
-from hostpid.node import fileattr
+from hostpid import defaults, fileattr
 from hostpid.nri.decision import OPT_OUT_KEY, OPT_OUT_VALUE
 
 # The module fixtures of test_nri_containerd, used here by name: the same

@@ -31,7 +31,7 @@ from clienttools import build_c_client
 from kernelfeatures import kernel_feature
 from support import BrokerProcess, remove_tree, require_root, skip_or_fail, subprocess_env
 
-from hostpid.node import fileattr
+from hostpid import fileattr
 
 pytestmark = pytest.mark.privileged
 
