@@ -434,7 +434,8 @@ def windows(log: Path) -> dict[str, tuple[int, int]]:
 
 @pytest.mark.parametrize("daemon", [*NRI_CELLS, *OCI_CELLS], indirect=True)
 def test_hami_node_chmod_loop_and_tenant_loop(
-        daemon: Any, kubelet: Kubelet, gpu_node: GpuNode, plugin: Plugin) -> None:
+        request: pytest.FixtureRequest, daemon: Any, kubelet: Kubelet, gpu_node: GpuNode,
+        plugin: Plugin) -> None:
     """
     A node whose device plugin makes the lock parent 0777 every 0.2 s, a UID
     1000 tenant renaming, removing and replacing C{<lock parent>/hostpid} in a
@@ -501,7 +502,7 @@ def test_hami_node_chmod_loop_and_tenant_loop(
     served = [one.pod for one in adjusted_ones
               if one.exit_code == 0 and one.lines("socket") == ["present"]
               and one.lines("etc-image") == ["yes"]]
-    print(f"\n[hami] {daemon.describe() if hasattr(daemon, 'describe') else daemon}: "
+    print(f"\n[hami] {request.node.callspec.id}: "
           f"{len(held)} containers, windows the tenant acted in {len(acted)}, "
           f"broker over their own files {len(over_own_files)}, failed to start {len(failed)}, "
           f"broker mounts lost after start {len(lost)}, served {len(served)}; "
