@@ -348,7 +348,9 @@ class Held:
     adjustment: Adjustment | None = None
     host_pid: int = 0
     start_error: str = ""
-    #: Mount points of the broker directory in the container (from the host).
+    #: Mount points of the broker directory in the container (from the host),
+    #: once started and once the loops ran on.
+    broker_at_start: tuple[str, ...] = ()
     broker_at: tuple[str, ...] = ()
     stdout: str = ""
     exit_code: int | None = None
@@ -467,6 +469,7 @@ def test_hami_node_chmod_loop_and_tenant_loop(
                 try:
                     kubelet.cri.runtime("StartContainer", container_id=one.container_id)
                     one.host_pid = wait_running_pid(kubelet, one.container_id)
+                    one.broker_at_start = broker_mountpoints(one.host_pid, broker_dir)
                 except Exception as error:  # noqa: BLE001 - a failed start is what is counted
                     one.start_error = str(error).splitlines()[0][:300]
             # The loops run on over every running container: one more window's worth.
@@ -491,14 +494,15 @@ def test_hami_node_chmod_loop_and_tenant_loop(
                 kubelet.remove_sandbox(one.sandbox_id)
     seen = windows(report["windows"])
     acted = [one.pod for one in held if seen.get(one.pod, (0, 0))[1] >= seen[one.pod][0] + 2]
-    over_own_files = [(one.pod, one.broker_at) for one in held
-                      if set(one.broker_at) - {defaults.CONTAINER_BROKER_DIRECTORY}
+    canonical = (defaults.CONTAINER_BROKER_DIRECTORY,)
+    over_own_files = [(one.pod, one.broker_at_start) for one in held
+                      if set(one.broker_at_start + one.broker_at) - set(canonical)
                       or one.lines("etc-socket") == ["yes"]]
     failed = [(one.pod, one.start_error) for one in held if one.start_error]
     adjusted_ones = [one for one in held if one.adjustment == adjusted(gpu_node.node)]
-    lost = [one.pod for one in adjusted_ones if one.host_pid and (
-        one.broker_at != (defaults.CONTAINER_BROKER_DIRECTORY,)
-        or one.lines("socket") != ["present"])]
+    # Started with the broker where it belongs, and without it once the loops ran on.
+    lost = [one.pod for one in adjusted_ones if one.broker_at_start == canonical and (
+        one.broker_at != canonical or one.lines("socket") != ["present"])]
     served = [one.pod for one in adjusted_ones
               if one.exit_code == 0 and one.lines("socket") == ["present"]
               and one.lines("etc-image") == ["yes"]]
