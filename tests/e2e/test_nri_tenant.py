@@ -463,10 +463,12 @@ def test_hami_node_chmod_loop_and_tenant_loop(
                 sandbox_id, sandbox = kubelet.sandbox(pod)
                 one = Held(pod["metadata"]["name"], sandbox_id, sandbox)
                 held.append(one)
-                one.container_id, one.config = kubelet.create(pod, sandbox_id, sandbox,
-                                                              [gpu_node.allocation()])
-                one.adjustment = Adjustment.of(kubelet.spec(one.container_id))
                 try:
+                    # CRI-O runs the OCI runtime's create at CreateContainer, containerd
+                    # at StartContainer: a mount the runtime refuses fails either.
+                    one.container_id, one.config = kubelet.create(pod, sandbox_id, sandbox,
+                                                                  [gpu_node.allocation()])
+                    one.adjustment = Adjustment.of(kubelet.spec(one.container_id))
                     kubelet.cri.runtime("StartContainer", container_id=one.container_id)
                     one.host_pid = wait_running_pid(kubelet, one.container_id)
                     one.broker_at_start = broker_mountpoints(one.host_pid, broker_dir)
