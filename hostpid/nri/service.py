@@ -202,8 +202,9 @@ class Adjuster:
         if state.mountpoint_problem:
             self.log.warn(
                 "hostpid-nri: the broker mountpoint is unsafe and cannot be repaired: "
-                "{problem} ({failure}); GPU containers get the lock parent only, no broker",
-                problem=state.mountpoint_problem, failure=state.repair_failure)
+                "{problem}{failure_note}; GPU containers get the lock parent only, no broker",
+                problem=state.mountpoint_problem, failure=state.repair_failure,
+                failure_note=f" ({state.repair_failure})" if state.repair_failure else "")
         elif state.repair_failure:
             self.log.warn(
                 "hostpid-nri: the lock parent cannot be prepared ({failure}); its broker "
