@@ -453,9 +453,15 @@ def test_hami_node_chmod_loop_and_tenant_loop(
     broker_dir = gpu_node.node.broker_dir
     held: list[Held] = []
     with hami_node(gpu_node, daemon, daemon.workdir) as report:
+        def called() -> dict[str, tuple[int, int]]:
+            # Only a call to the window plugin: where the tenant wins the window
+            # (the old code), CRI-O fails the probe's creation, which is no matter here.
+            with contextlib.suppress(Exception):
+                probe(kubelet, gpu_node, "window-probe")
+            return windows(report["windows"])
+
         # The window plugin is called once the runtime has synchronized it.
-        wait_for(lambda: (probe(kubelet, gpu_node, "window-probe"), windows(report["windows"]))[1],
-                 "the window plugin to be called", 30.0)
+        wait_for(called, "the window plugin to be called", 30.0)
         try:
             for index in range(HAMI_CONTAINERS):
                 pod = restricted_pod(f"hami-{index}")
