@@ -75,6 +75,38 @@ def require_tool(name: str) -> str:
     return path
 
 
+def release_immutable(path: Path | str) -> None:
+    """
+    Clear the immutable attribute on every directory below C{path} (never
+    following a link): a prepared broker mountpoint carries it
+    (L{hostpid.fileattr}), and neither C{rmtree} nor C{rm -rf} can
+    remove an immutable directory.  Best effort: what cannot be opened or
+    cleared is left for the removal to report.
+    """
+    from hostpid import fileattr
+
+    for top, directories, _ in os.walk(path, topdown=False, followlinks=False):
+        for name in [*directories, ""]:
+            try:
+                fd = os.open(os.path.join(top, name) if name else top,
+                             os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK
+                             | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                fileattr.clear_immutable(fd)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
+
+def remove_tree(path: Path | str, ignore_errors: bool = False) -> None:
+    """C{shutil.rmtree} of a tree that may hold a prepared, immutable broker mountpoint."""
+    release_immutable(path)
+    shutil.rmtree(path, ignore_errors=ignore_errors)
+
+
 def wait_for(
     condition: Callable[[], object], what: str, timeout: float = WAIT_SECONDS
 ) -> object:

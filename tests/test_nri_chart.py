@@ -102,7 +102,9 @@ def test_plugin_daemonset_shape() -> None:
     assert args[args.index("--broker-dir") + 1] == "/var/run/hami/hostpid"
     assert {"name": "LIBVGPU_HOSTPID_BROKER", "value": "1"} in container["env"]
     security = container["securityContext"]
-    assert security["runAsUser"] == 0 and security["capabilities"] == {"drop": ["ALL"]}
+    # One capability: the broker mountpoint is made immutable (docs/security.md).
+    assert security["runAsUser"] == 0 and security["capabilities"] == {
+        "drop": ["ALL"], "add": ["LINUX_IMMUTABLE"]}
     assert security["allowPrivilegeEscalation"] is False and security["privileged"] is False
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
     assert set(mounts) == {"/var/run/nri", "/var/run/hami/hostpid", "/tmp/vgpulock"}

@@ -59,6 +59,7 @@ from crilib import (
     wait_exited,
 )
 from criolib import Crio
+from kernelfeatures import kernel_feature
 from support import (
     TWISTD,
     BrokerProcess,
@@ -75,7 +76,9 @@ from hostpid.gate import GATE_ENV
 #: A CRI runtime under test: containerd or CRI-O, the same interface.
 Runtime = Containerd | Crio
 
-pytestmark = pytest.mark.privileged
+#: The NRI plugin gives a GPU container the broker only on a broker mountpoint it could make
+#: immutable: where /tmp's filesystem has no such attribute, these tests say so by name.
+pytestmark = [pytest.mark.privileged, kernel_feature("immutable_tmp")]
 
 WORKLOAD_UID = 1000
 
