@@ -14,7 +14,7 @@ from __future__ import annotations
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -138,3 +138,46 @@ def gpus(kube: object, deviceplugin_messages: ModuleType) -> Iterator[object]:
         yield plugin
     finally:
         plugin.stop()
+
+
+#: GPUs the DRA driver publishes (C{hami-gpu-0} ..): the claim scenarios use a few.
+DRA_GPU_COUNT = 8
+
+
+@pytest.fixture(scope="session")
+def dra_messages() -> Iterator[tuple[ModuleType, ModuleType]]:
+    import components
+    import deviceplugin
+    import draplugin
+
+    out = Path(tempfile.mkdtemp(prefix="hostpid-cluster-dra-"))
+    try:
+        module = deviceplugin.kubelet_module(
+            components.staging_version(components.KUBERNETES_VERSION))
+        yield draplugin.compile_messages(module, out)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def dra_gpus(kube: object, dra_messages: tuple[ModuleType, ModuleType]) -> Iterator[object]:
+    """The DRA driver, registered with the kubelet; its ResourceSlice and DeviceClass published."""
+    from cluster import Cluster
+    from draplugin import DraPlugin
+    from release import Paths
+
+    assert isinstance(kube, Cluster)
+    plugin = DraPlugin(dra_messages, kube, kube.workdir / "dev-dra", DRA_GPU_COUNT,
+                       kube.containerd.cdi_dir, Paths(kube).lock_parent)
+    yield from _session_part(plugin, plugin.start, plugin.stop)
+
+
+def _session_part(part: object, start: Callable[[], object],
+                  stop: Callable[[], object]) -> Iterator[object]:
+    """C{part} started for the session, stopped when the run leaves the tier or at its end."""
+    start()
+    _closers.append(stop)
+    try:
+        yield part
+    finally:
+        stop()

@@ -415,7 +415,19 @@ def kubelet(daemon: Runtime) -> Kubelet:
 @pytest.fixture
 def plugin(daemon: Runtime, gpu_node: GpuNode, kubelet: Kubelet) -> Iterator[Plugin]:
     """The plugin, connected: a GPU container created after this is adjusted."""
-    started = Plugin(daemon, gpu_node.node, daemon.workdir / f"plugin-{uuid.uuid4().hex[:6]}.log")
+    with adjusting_plugin(daemon, gpu_node, kubelet) as started:
+        yield started
+
+
+@contextmanager
+def adjusting_plugin(daemon: Runtime, gpu_node: GpuNode, kubelet: Kubelet,
+                     options: Sequence[str] = ()) -> Iterator[Plugin]:
+    """
+    A plugin given C{options}, yielded once a GPU container is adjusted;
+    stopped after, and its log must hold no traceback.
+    """
+    started = Plugin(daemon, gpu_node.node, daemon.workdir / f"plugin-{uuid.uuid4().hex[:6]}.log",
+                     options)
     try:
         wait_adjusting(kubelet, gpu_node, started)
         yield started
