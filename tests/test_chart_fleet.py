@@ -172,3 +172,25 @@ def test_notes_warn_that_a_daemonset_no_node_matches_wants_zero_pods() -> None:
             "DESIRED:.status.desiredNumberScheduled") in text
     assert "and of nodeSelector" in notes({"nodeSelector": {"pool": "gpu"}})
     assert "none: gpuNodes is empty" in notes({"gpuNodes": []})
+
+
+def test_the_documented_group_first_releases_split_the_gpu_nodes() -> None:
+    """
+    docs/rollout.md, "A group of nodes first": the main release's affinity
+    leaves the nodes labelled canary-only; the canary release takes the
+    nodes labelled canary; a node labelled canary alone has both (the
+    handover's moment), one labelled both has the canary's alone.
+    """
+    main = daemonsets({"affinity": {"nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "hostpid.hami.io/canary-only",
+                                   "operator": "DoesNotExist"}]}]}}}})
+    canary = daemonsets({"hostPIDBroker": {"enabled": True},
+                         "nodeSelector": {"hostpid.hami.io/canary": "true"}})
+    moving = {**NVIDIA, "hostpid.hami.io/canary": "true"}
+    moved = {**moving, "hostpid.hami.io/canary-only": "true"}
+    for name in ("hostpid-broker", "hostpid-nri"):
+        assert selects(main[name], NVIDIA) and not selects(canary[name], NVIDIA), name
+        assert selects(main[name], moving) and selects(canary[name], moving), name
+        assert not selects(main[name], moved) and selects(canary[name], moved), name
+        assert not selects(canary[name], {**PLAIN, "hostpid.hami.io/canary": "true"}), name
