@@ -211,10 +211,21 @@ def roll(kube: Cluster, release: Release, label: str, expressions: Sequence[str]
     return rollout
 
 
-def wait_rolled(kube: Cluster, timeout: float) -> None:
-    """Both DaemonSets done (after a window that ended early)."""
+def wait_rolled(kube: Cluster, timeout: float, nodes: int | None = None) -> None:
+    """
+    Both DaemonSets done (after a window that ended early), and with
+    C{nodes}, wanting that many nodes (a new node is not wanted until it is
+    Ready: until then its not-ready taint keeps the DaemonSet's pod off).
+    """
     deadline = time.monotonic() + timeout
-    while not all(done(ds) for ds in daemonsets(kube).values()):
+
+    def finished() -> bool:
+        current = daemonsets(kube).values()
+        return all(done(ds) and (nodes is None or
+                                 ds["status"].get("desiredNumberScheduled") == nodes)
+                   for ds in current)
+    while not finished():
         if time.monotonic() > deadline:
-            raise AssertionError(f"the fleet's DaemonSets did not finish within {timeout} s")
+            raise AssertionError(f"the fleet's DaemonSets did not finish within {timeout} s: "
+                                 f"{[ds.get('status') for ds in daemonsets(kube).values()]}")
         time.sleep(POLL)
