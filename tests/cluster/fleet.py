@@ -151,11 +151,12 @@ def daemonsets(kube: Cluster) -> dict[str, Any]:
 
 
 def pods_per_daemonset(kube: Cluster) -> dict[str, int]:
+    """Each DaemonSet's pods not being deleted (an old pod going is no longer surged)."""
     output = kube.kubectl("get", "pods", "-n", NAMESPACE, "-o",
                           'jsonpath={range .items[*]}{.metadata.labels.app\\.kubernetes\\.io/'
-                          'component}{"\\n"}{end}', timeout=600)
-    words = output.split()
-    return {ds: words.count(component) for component, ds in DAEMONSETS.items()}
+                          'component} {.metadata.deletionTimestamp}{"\\n"}{end}', timeout=600)
+    live = [line.split()[0] for line in output.splitlines() if len(line.split()) == 1]
+    return {ds: live.count(component) for component, ds in DAEMONSETS.items()}
 
 
 def done(ds: Mapping[str, Any]) -> bool:
