@@ -74,7 +74,7 @@ def measure_node(kube: Cluster, release: Release, expressions: Sequence[str],
     Upgrade the release with C{expressions} and watch its pods on the real
     node: per component, the new pod's creation to Ready (the API server's
     timestamps, whole seconds) and the old pod's deletion to gone (its
-    deletion timestamp to the first read without it).
+    deletion timestamp less its grace period, to the first read without it).
     """
     def on_node() -> dict[str, Any]:
         pods = kube.get("pods", "-n", release.namespace, "--field-selector",
@@ -100,11 +100,15 @@ def measure_node(kube: Cluster, release: Release, expressions: Sequence[str],
             ready = [_ready_at(now_pods.get(p["metadata"]["name"], p)) for p in new]
             if len(new) == 1 and len(old) == 1 and ready[0] is not None \
                     and old[0]["metadata"]["name"] in gone:
-                deleted = seen[old[0]["metadata"]["name"]]["metadata"].get("deletionTimestamp")
+                # The deletion timestamp is the deadline: the request plus the grace period.
+                meta = seen[old[0]["metadata"]["name"]]["metadata"]
+                deleted = (_stamp(meta["deletionTimestamp"])
+                           - meta.get("deletionGracePeriodSeconds", 0)
+                           if "deletionTimestamp" in meta else None)
                 found[component] = Delays(
                     ready=ready[0] - _stamp(new[0]["metadata"]["creationTimestamp"]),
-                    gone=gone[old[0]["metadata"]["name"]] - _stamp(deleted) if deleted
-                    else 0.0)
+                    gone=max(0.0, gone[old[0]["metadata"]["name"]] - deleted)
+                    if deleted is not None else 0.0)
         if len(found) == len(DAEMONSETS):
             return found
         if time.monotonic() > deadline:

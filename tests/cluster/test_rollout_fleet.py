@@ -8,8 +8,8 @@ NVIDIA's feature discovery (C{nvidia.com/gpu.present: "true"}):
   C{nodeSelector: {gpu: "on"}} wanted half the fleet);
 - a roll forward and a roll back at the default surge (10%): each done
   (C{kubectl rollout status}'s rule), no node ever seen without an available
-  pod of either DaemonSet, and more than one node surged at once, at most
-  the surge (the former C{maxSurge: 1} surged one node at a time).
+  pod of either DaemonSet, and the nodes surged at once about the surge's
+  10% (the former C{maxSurge: 1} surged one node at a time).
 
 The simulated pods take the time the real node's took (measured here first,
 on the same release's first upgrade).  CI runs L{FLEET} nodes; C{bench/fleet.py}
@@ -110,4 +110,8 @@ def test_fleet_rollouts(kube: Cluster, kwok: Kwok, images: dict[str, str]) -> No
             # Surge-first: never a node without an available pod.
             assert rollout.fewest_available[name] == wanted, (rollout.label, name, rollout)
             if FLEET <= 1000:
-                assert 1 < rollout.most_surged[name] <= surged, (rollout.label, name, rollout)
+                # Waves of the surge's size (the controller counts a node against it
+                # until its new pod is available, so the old pod's deletion trails
+                # it: a few more), never one node at a time.
+                assert surged // 2 <= rollout.most_surged[name] <= 2 * surged, (
+                    rollout.label, name, rollout)
