@@ -83,7 +83,7 @@ def test_plugin_daemonset_shape() -> None:
                                         "nri.resources[0]=device:/dev/dri/renderD*",
                                         "nri.pluginIndex=95")))
     ds = plugin_daemonset(docs)
-    assert ds["spec"]["updateStrategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
+    assert ds["spec"]["updateStrategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": "10%"}
     spec = ds["spec"]["template"]["spec"]
     assert spec["hostPID"] is False and spec["hostNetwork"] is False
     container, standby = spec["containers"]

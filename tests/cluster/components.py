@@ -30,7 +30,7 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from kernels.debian import CACHE, filling
@@ -159,12 +159,7 @@ def kubernetes(version: str = KUBERNETES_VERSION, cache: Path = CACHE) -> Path:
     were built from (C{go.mod}, C{go.sum}): built on the first call for
     C{version}, reused afterwards.
     """
-    final = kubernetes_dir(version, cache)
-    if (final / ".complete").is_file():
-        return final
-    if shutil.which("go") is None:
-        raise RuntimeError("building Kubernetes needs Go on PATH (1.26 or newer)")
-    with filling(final, ".complete") as work:
+    def build(work: Path) -> None:
         download = json.loads(_go(work.parent, "mod", "download", "-json",
                                   f"k8s.io/kubernetes@{version}"))
         upstream = Path(download["GoMod"]).read_text()
@@ -175,8 +170,71 @@ def kubernetes(version: str = KUBERNETES_VERSION, cache: Path = CACHE) -> Path:
         missing = [command for command in COMMANDS if not (work / "bin" / command).is_file()]
         if missing:
             raise RuntimeError(f"go build left no {', '.join(missing)} in {work / 'bin'}")
+
+    return _cached(kubernetes_dir(version, cache), "Kubernetes", build)
+
+
+def _cached(final: Path, what: str, build: Callable[[Path], None]) -> Path:
+    """
+    C{final}, made by C{build} in the suite's one cache-filling helper
+    (L{kernels.debian.filling}: a build killed half-way leaves nothing a
+    later run would take for complete); reused when there.
+    """
+    if (final / ".complete").is_file():
+        return final
+    if shutil.which("go") is None:
+        raise RuntimeError(f"building {what} needs Go on PATH (1.26 or newer)")
+    with filling(final, ".complete") as work:
+        build(work)
         (work / ".complete").touch()
     return final
+
+
+#: KWOK (Kubernetes WithOut Kubelet), the simulated nodes of the fleet
+#: (L{kwok}): its controller C{kwok}, which needs Go 1.26.
+KWOK_MODULE = "sigs.k8s.io/kwok"
+KWOK_VERSION = "v0.8.0"
+
+#: The module's own default stages, as C{kwokctl} gives a cluster
+#: (C{pkg/kwokctl/runtime/cluster.go} C{getDefaultNodeStages} with a node
+#: lease, C{getDefaultPodStages}): copied beside the binary from the
+#: module's source, so that the stages are the release's.
+KWOK_STAGES = (
+    "kustomize/stage/node/fast/node-initialize.yaml",
+    "kustomize/stage/node/heartbeat-with-lease/node-heartbeat-with-lease.yaml",
+    "kustomize/stage/pod/fast/pod-ready.yaml",
+    "kustomize/stage/pod/fast/pod-complete.yaml",
+    "kustomize/stage/pod/fast/pod-delete.yaml",
+)
+
+
+def kwok_go_mod(version: str, go_version: str) -> str:
+    return (f"module hostpid.test/kwokbuild\n\ngo {go_version}\n\n"
+            f"require {KWOK_MODULE} {version}\n")
+
+
+def kwok(version: str = KWOK_VERSION, cache: Path = CACHE) -> Path:
+    """
+    The directory holding C{bin/kwok}, built from the Go module proxy at
+    C{version} (stamped as its release stamps it, C{hack/releases.sh}), and
+    C{stages/}, the module's default stages: built on the first call,
+    reused afterwards.
+    """
+    def build(work: Path) -> None:
+        download = json.loads(_go(work.parent, "mod", "download", "-json",
+                                  f"{KWOK_MODULE}@{version}"))
+        (work / "go.mod").write_text(kwok_go_mod(version, go_version()))
+        (work / "tools.go").write_text(
+            f'//go:build tools\n\npackage tools\n\nimport _ "{KWOK_MODULE}/cmd/kwok"\n')
+        _go(work, "mod", "tidy")
+        stamp = f"-X {KWOK_MODULE}/pkg/consts.Version={version.lstrip('v')}"
+        _go(work, "build", "-trimpath", f"-ldflags={stamp}", "-o", "bin/kwok",
+            f"{KWOK_MODULE}/cmd/kwok", timeout=BUILD_TIMEOUT)
+        (work / "stages").mkdir()
+        for path in KWOK_STAGES:
+            shutil.copyfile(Path(download["Dir"]) / path, work / "stages" / Path(path).name)
+
+    return _cached(cache / f"kwok-{version}", "KWOK", build)
 
 
 def etcd() -> Path:

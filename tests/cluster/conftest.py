@@ -181,3 +181,22 @@ def _session_part(part: object, start: Callable[[], object],
         yield part
     finally:
         stop()
+
+
+@pytest.fixture(scope="session")
+def kwok(kube: object) -> Iterator[object]:
+    """
+    KWOK's controller for simulated nodes on the tier's API server
+    (L{kwok.Kwok}): started by the test that sizes the fleet, stopped (its
+    nodes deleted) when the run leaves the tier.
+    """
+    from cluster import Cluster
+    from kwok import Kwok
+
+    assert isinstance(kube, Cluster)
+    controller = Kwok(kube)
+    _closers.append(controller.stop)
+    try:
+        yield controller
+    finally:
+        controller.stop()

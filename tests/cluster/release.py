@@ -71,23 +71,26 @@ class Paths:
 
 
 class Release:
-    """One Helm release of the chart in L{NAMESPACE}."""
+    """One Helm release of the chart, C{name} in C{namespace} (L{RELEASE} in L{NAMESPACE})."""
 
-    def __init__(self, kube: Cluster, repository: str, tag: str) -> None:
+    def __init__(self, kube: Cluster, repository: str, tag: str, name: str = RELEASE,
+                 namespace: str = NAMESPACE) -> None:
         self.kube = kube
+        self.name, self.namespace = name, namespace
         self.paths = Paths(kube)
-        self.config = helm.Config(kubeconfig_path=kube.kubeconfig, namespace=NAMESPACE)
+        self.config = helm.Config(kubeconfig_path=kube.kubeconfig, namespace=namespace)
         #: The values given at install, as docs/rollout.md step 1 gives them.
         self.base = merge(sets(f"image.repository={repository}", f"image.tag={tag}",
                                "hostPIDBroker.enabled=false"), self.paths.values())
         self.revisions: list[dict[str, Any]] = []
 
     def install(self, *expressions: str) -> Any:
-        self.kube.namespace(NAMESPACE, {"pod-security.kubernetes.io/enforce": "privileged"})
+        self.kube.namespace(self.namespace,
+                            {"pod-security.kubernetes.io/enforce": "privileged"})
         values = merge(copy.deepcopy(self.base), sets(*expressions)) if expressions else \
             copy.deepcopy(self.base)
         with helm.Chart.load(CHART) as chart:
-            result = self.config.install(chart, RELEASE, values, namespace=NAMESPACE,
+            result = self.config.install(chart, self.name, values, namespace=self.namespace,
                                          timeout=300)
         self.revisions.append(values)
         return result
@@ -95,22 +98,23 @@ class Release:
     def upgrade(self, *expressions: str) -> Any:
         """C{helm upgrade --reuse-values --set ...}, as the docs write it."""
         with helm.Chart.load(CHART) as chart:
-            result = self.config.upgrade(chart, RELEASE, sets(*expressions),
-                                         namespace=NAMESPACE, reuse_values=True, timeout=300)
+            result = self.config.upgrade(chart, self.name, sets(*expressions),
+                                         namespace=self.namespace, reuse_values=True,
+                                         timeout=300)
         return result
 
     def rollback(self, version: int | None = None) -> None:
-        self.config.rollback(RELEASE, version=version, timeout=300)
+        self.config.rollback(self.name, version=version, timeout=300)
 
     def uninstall(self) -> None:
-        self.config.uninstall(RELEASE, ignore_not_found=True, timeout=300, wait="watcher")
+        self.config.uninstall(self.name, ignore_not_found=True, timeout=300, wait="watcher")
 
     def values(self) -> Any:
-        return self.config.get_values(RELEASE)
+        return self.config.get_values(self.name)
 
     def rollout(self, kind: str, name: str, timeout: str = "180s") -> str:
         """C{kubectl rollout status}, as the docs run it."""
-        return self.kube.kubectl("-n", NAMESPACE, "rollout", "status", f"{kind}/{name}",
+        return self.kube.kubectl("-n", self.namespace, "rollout", "status", f"{kind}/{name}",
                                  f"--timeout={timeout}", timeout=400)
 
     def close(self) -> None:
