@@ -9,7 +9,7 @@ imported, never copied), which caches it under the cache directory
 version, and does nothing once it is there:
 
  - the runtimes built from the Go module proxy (tests/e2e/builds.py: runc
-   1.5, containerd 2.4, CRI-O) and Kubernetes (tests/cluster/components.py);
+   1.5, containerd 2.4, CRI-O), Kubernetes and KWOK (tests/cluster/components.py);
  - Debian's packages from other suites: the kernels of the matrix and their
    initramfs (tests/kernels/debian.py, vm.py), containerd 1.7 and 2.1
    (tests/e2e/crilib.py), etcd (components.py), NRI's Go sources
@@ -71,6 +71,13 @@ def _kubernetes() -> list[str]:
     return [str(directory), *(f"{name}: {line}" for name, line in found.items())]
 
 
+def _kwok() -> list[str]:
+    directory = components.kwok()
+    found = subprocess.run([str(directory / "bin" / "kwok"), "--version"],
+                           capture_output=True, text=True, timeout=60, check=False).stdout
+    return [str(directory), *found.strip().splitlines()[:1]]
+
+
 def _kernel(kernel: debian.Kernel) -> list[str]:
     unpacked = debian.obtain(kernel)
     return [f"{unpacked.package} ({unpacked.release})", f"initramfs: {vm.initrd(unpacked)}"]
@@ -101,6 +108,7 @@ def steps() -> list[Step]:
     compiles = [Step(build.key, "compile", lambda build=build: _runtime(build))
                 for build in builds.BUILDS.values()]
     compiles.append(Step(f"kubernetes-{components.KUBERNETES_VERSION}", "compile", _kubernetes))
+    compiles.append(Step(f"kwok-{components.KWOK_VERSION}", "compile", _kwok))
     fetches = [Step(f"kernel-{kernel.series}", "fetch", lambda kernel=kernel: _kernel(kernel))
                for kernel in debian.KERNELS]
     fetches += [

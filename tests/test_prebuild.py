@@ -32,6 +32,6 @@ def test_every_component_has_a_step() -> None:
     wanted |= {f"containerd-{release.name}" for release in prebuild.crilib.RELEASES.values()
                if release.suite}
     wanted |= {f"nri-{name}" for name in prebuild.nrigolib.NRI_RELEASES}
-    wanted |= {f"kubernetes-{prebuild.components.KUBERNETES_VERSION}", "etcd", "image",
-               "wheelhouse"}
+    wanted |= {f"kubernetes-{prebuild.components.KUBERNETES_VERSION}",
+               f"kwok-{prebuild.components.KWOK_VERSION}", "etcd", "image", "wheelhouse"}
     assert set(names) == wanted
