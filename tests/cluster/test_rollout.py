@@ -380,6 +380,9 @@ FLOOD_IN_FLIGHT = 512
 #: fail at least that often on each port, or the flood did not bite.
 PROBE_TIMEOUT = 3.0
 FAILURE_THRESHOLD = 3
+#: The control's pause between two of its probes of a port (it must not
+#: flood the port itself when the flood does not bite).
+CONTROL_INTERVAL = 0.5
 NRI_SELECTOR = "app.kubernetes.io/component=nri-plugin"
 
 #: Two flooding processes (L{attackers.TCP_CONNECT_FLOOD}, its source in the
@@ -463,14 +466,23 @@ def test_4b_flooded_metrics_ports_fail_no_probe(kube: Cluster, release: Release,
     wait_for(lambda: flood_output().count("ready\n") == 2, "both floods in flight", 120.0)
     stream = Stream(kube, "flood")
     old: dict[int, list[bool]] = {port: [] for port in ports.values()}
+    stop = threading.Event()
 
-    def flood_done() -> bool:
-        for port in ports.values():
+    def control(port: int) -> None:
+        while not stop.wait(CONTROL_INTERVAL):
             old[port].append(http_probe(ip, port, "/healthz", PROBE_TIMEOUT))
-        phase = kube.get("pod", "-n", RESTRICTED, flood_name)["status"].get("phase")
-        return phase in ("Succeeded", "Failed")
-    wait_for(flood_done, "the flood pod to stop itself", FLOOD_SECONDS + 120.0)
-    gates = stream.stop()
+    controls = [threading.Thread(target=control, args=(port,), daemon=True) for port in old]
+    for thread in controls:
+        thread.start()
+    try:
+        wait_for(lambda: kube.get("pod", "-n", RESTRICTED, flood_name)["status"].get("phase")
+                 in ("Succeeded", "Failed"), "the flood pod to stop itself",
+                 FLOOD_SECONDS + 120.0)
+    finally:
+        stop.set()
+        for thread in controls:
+            thread.join(PROBE_TIMEOUT + 5)
+        gates = stream.stop()
     after = nri_pod(kube)
     probed = {key: count - probes.get(key, 0)
               for key, count in probe_counts(kube, name).items()}
