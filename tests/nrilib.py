@@ -323,6 +323,25 @@ def http_get(path: Path | str, target: str, timeout: float = 5.0) -> tuple[int, 
     return int(head.split()[1]), body.decode()
 
 
+def http_probe(host: str, port: int, path: str, timeout: float) -> bool:
+    """
+    The kubelet's C{httpGet} probe, as the chart made it before its exec
+    probes: connect to C{host:port}, one C{GET path}, a 2xx or 3xx status
+    within C{timeout} (connect to first bytes).
+    """
+    deadline = time.monotonic() + timeout
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+                         "Connection: close\r\n\r\n".encode())
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            head = sock.recv(64)
+    except OSError:
+        return False
+    status = head.split()[1:2]
+    return bool(status) and status[0][:1] in (b"2", b"3")
+
+
 class NRIPluginProcess:
     """
     A real plugin: C{twistd hostpid-nri} in its own process, output to a file

@@ -14,6 +14,8 @@ status}, as the docs run them:
    is refused by the API server;
 3. a burst of GPU pods, disabled and enabled: creation to first answer;
 4. roll forward to a second image tag while GPU pods query in a loop;
+   then an ordinary pod floods the NRI pod's metrics ports while GPU pods
+   are created: no probe fails, no restart, every pod adjusted;
 5. the webhook path: the API server calls the webhook over TLS through its
    Service; with the webhook scaled to 0, GPU pods are still admitted;
    user-namespaced GPU pods get their host PID through the NRI plugin's
@@ -40,9 +42,11 @@ from typing import Any
 
 import pytest
 import workloads
+from attackers import TCP_CONNECT_FLOOD
 from cluster import Cluster
 from deviceplugin import DevicePlugin
 from kernelfeatures import kernel_feature
+from nrilib import http_probe
 from release import NAMESPACE, Release
 from support import wait_for
 from test_userns_cri import OVERFLOW_UID, PROLOGUE
@@ -366,6 +370,157 @@ def test_4_rolled_forward(kube: Cluster, release: Release, images: dict[str, str
     strategy = kube.get("daemonset", "-n", NAMESPACE, "hostpid-nri")["spec"]["updateStrategy"]
     assert strategy["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}, strategy
     assert unadjusted == []
+
+
+#: How long the flood pod floods the NRI pod's two metrics ports.  30 s
+#: holds at least one liveness (every 20 s) and two readiness probes (every
+#: 10 s) of each of the pod's containers, each counted by the kubelet, and
+#: one failed probe is already the weakness (an C{Unhealthy} event; three
+#: failed liveness probes in a row restart the container).  60 s, a
+#: restart's worth of liveness probes, costs 30 s more of CI for no probe
+#: of a kind the shorter run lacks.
+FLOOD_SECONDS = 30
+#: Connections each flooding process keeps in flight (as the integration test's).
+FLOOD_IN_FLIGHT = 512
+#: The chart's probe timeout and liveness failureThreshold: the control
+#: (the old C{httpGet} probe, from the node as the kubelet made it) must
+#: fail at least that often on each port, or the flood did not bite.
+PROBE_TIMEOUT = 3.0
+FAILURE_THRESHOLD = 3
+#: The control's pause between two of its probes of a port (it must not
+#: flood the port itself when the flood does not bite).
+CONTROL_INTERVAL = 0.5
+NRI_SELECTOR = "app.kubernetes.io/component=nri-plugin"
+
+#: Two flooding processes (L{attackers.TCP_CONNECT_FLOOD}, its source in the
+#: container's C{FLOOD}), one per port, stopped by the pod itself after
+#: L{FLOOD_SECONDS}: each prints C{ready} then C{connects N}.
+FLOOD_SCRIPT = (
+    'python -c "$FLOOD" {ip} {plugin} {n} & a=$!; '
+    'python -c "$FLOOD" {ip} {standby} {n} & b=$!; '
+    "sleep {seconds}; kill -TERM $a $b; wait $a && wait $b"
+)
+
+
+def probe_counts(kube: Cluster, pod: str) -> dict[tuple[str, str, str], int]:
+    """
+    The kubelet's own count of the probes it ran for C{pod}'s containers
+    (C{prober_probe_total} on its C{/metrics/probes}, through the API
+    server): by container, probe type and result.
+    """
+    from cluster import NODE_NAME
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = kube.kubectl("get", "--raw", f"/api/v1/nodes/{NODE_NAME}/proxy/metrics/probes")
+    counts: dict[tuple[str, str, str], int] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = sample.labels
+            if (sample.name == "prober_probe_total" and labels.get("pod") == pod
+                    and labels.get("namespace") == NAMESPACE):
+                key = (labels["container"], labels["probe_type"], labels["result"])
+                counts[key] = counts.get(key, 0) + int(sample.value)
+    return counts
+
+
+def unhealthy_events(kube: Cluster, pod: str) -> int:
+    """C{Unhealthy} events (a failed probe) the kubelet recorded for C{pod}."""
+    events = kube.get("events", "-n", NAMESPACE, "--field-selector",
+                      f"reason=Unhealthy,involvedObject.name={pod}")["items"]
+    return sum(int(e.get("count") or 1) for e in events)
+
+
+def nri_pod(kube: Cluster) -> dict[str, Any]:
+    (pod,) = [p for p in kube.get("pods", "-n", NAMESPACE, "-l", NRI_SELECTOR)["items"]
+              if "deletionTimestamp" not in p["metadata"]]
+    return dict(pod)
+
+
+def test_4b_flooded_metrics_ports_fail_no_probe(kube: Cluster, release: Release,
+                                                images: dict[str, str]) -> None:
+    """
+    An ordinary pod (Pod Security C{restricted}, UID 1000, another
+    namespace) floods both of the NRI pod's metrics ports for
+    L{FLOOD_SECONDS} while GPU pods are created: the kubelet's probes of
+    both containers (exec, on the pod's loopback) all succeed, no
+    C{Unhealthy} event, no restart, and every GPU pod created meanwhile
+    gets the NRI adjustment.  This node's CNI (bridge) enforces no
+    NetworkPolicy, so the flood reaches the ports; the control shows it
+    bites: the old probe (C{httpGet} on the metrics port, from the node)
+    fails at least a restart's worth of times on each port.
+    """
+    before = nri_pod(kube)
+    name, ip = before["metadata"]["name"], before["status"]["podIP"]
+    ports = {c["name"]: c["ports"][0]["containerPort"] for c in before["spec"]["containers"]}
+    restarts = {c["name"]: c["restartCount"] for c in before["status"]["containerStatuses"]}
+    for port in ports.values():
+        assert http_probe(ip, port, "/healthz", PROBE_TIMEOUT), f"{ip}:{port} before the flood"
+    events = unhealthy_events(kube, name)
+    probes = probe_counts(kube, name)
+
+    flood = workloads.pod(
+        RESTRICTED, "flood", gpu=False, image=f"{images['repository']}:{images['tag']}",
+        script=FLOOD_SCRIPT.format(ip=ip, plugin=ports["nri-plugin"],
+                                   standby=ports["nri-standby"], n=FLOOD_IN_FLIGHT,
+                                   seconds=FLOOD_SECONDS))
+    flood["spec"]["containers"][0]["env"] = [{"name": "FLOOD", "value": TCP_CONNECT_FLOOD}]
+    flood_name = flood["metadata"]["name"]
+    workloads.start(kube, flood)
+
+    def flood_output() -> str:
+        result = kube.kubectl_run("logs", "-n", RESTRICTED, flood_name)
+        return result.stdout if result.returncode == 0 else ""
+    wait_for(lambda: flood_output().count("ready\n") == 2, "both floods in flight", 120.0)
+    stream = Stream(kube, "flood")
+    old: dict[int, list[bool]] = {port: [] for port in ports.values()}
+    stop = threading.Event()
+
+    def control(port: int) -> None:
+        while not stop.wait(CONTROL_INTERVAL):
+            old[port].append(http_probe(ip, port, "/healthz", PROBE_TIMEOUT))
+    controls = [threading.Thread(target=control, args=(port,), daemon=True) for port in old]
+    for thread in controls:
+        thread.start()
+    try:
+        wait_for(lambda: kube.get("pod", "-n", RESTRICTED, flood_name)["status"].get("phase")
+                 in ("Succeeded", "Failed"), "the flood pod to stop itself",
+                 FLOOD_SECONDS + 120.0)
+    finally:
+        stop.set()
+        for thread in controls:
+            thread.join(PROBE_TIMEOUT + 5)
+        gates = stream.stop()
+    after = nri_pod(kube)
+    probed = {key: count - probes.get(key, 0)
+              for key, count in probe_counts(kube, name).items()}
+    output = flood_output()
+    phase = kube.get("pod", "-n", RESTRICTED, flood_name)["status"]["phase"]
+    kube.kubectl("delete", "pod", "-n", RESTRICTED, flood_name, "--wait=false")
+    connects = [int(line.split()[1]) for line in output.splitlines()
+                if line.startswith("connects ")]
+    unadjusted = sorted(n for n, gate in gates.items() if gate != "1")
+    restarted = {c["name"]: c["restartCount"] for c in after["status"]["containerStatuses"]}
+    unhealthy = unhealthy_events(kube, name) - events
+    print(f"\n[cluster] flood of {ip} ports {sorted(ports.values())} for {FLOOD_SECONDS} s: "
+          f"connects {connects} ({sum(connects) / FLOOD_SECONDS:.0f}/s); old httpGet probe "
+          + ", ".join(f"{port}: {o.count(False)} of {len(o)} failed" for port, o in old.items())
+          + f"; kubelet probes {dict(sorted(probed.items()))}; {unhealthy} Unhealthy events; "
+          f"restarts {restarted}; {len(gates)} GPU pods created during the flood, "
+          f"{len(unadjusted)} without the adjustment")
+
+    assert phase == "Succeeded" and len(connects) == 2, (phase, output)
+    for port, results in old.items():
+        assert results.count(False) >= FAILURE_THRESHOLD, (
+            f"the flood failed only {results.count(False)} of {len(results)} httpGet probes "
+            f"on {ip}:{port}: it no longer shows what the exec probes are for")
+    assert after["metadata"]["name"] == name, "the NRI pod was not replaced"
+    assert restarted == restarts == {container: 0 for container in ports}
+    for container in ports:
+        for kind, least in (("Liveness", 1), ("Readiness", 2)):
+            assert probed.get((container, kind, "successful"), 0) >= least, (container, probed)
+    assert {key: n for key, n in probed.items() if key[2] != "successful" and n} == {}
+    assert unhealthy == 0
+    assert gates and unadjusted == [], gates
 
 
 def test_6_webhook(kube: Cluster, release: Release) -> None:

@@ -31,7 +31,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -42,6 +41,7 @@ from nrilib import (
     gpu_container,
     host_tree,
     http_get,
+    http_probe,
     pod,
     unfreeze,
 )
@@ -69,24 +69,6 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def http_probe(port: int, path: str) -> bool:
-    """
-    The kubelet's C{httpGet} probe: connect, one C{GET}, a 2xx or 3xx status
-    within L{PROBE_TIMEOUT}.
-    """
-    deadline = time.monotonic() + PROBE_TIMEOUT
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=PROBE_TIMEOUT) as sock:
-            sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
-                         "Connection: close\r\n\r\n".encode())
-            sock.settimeout(max(deadline - time.monotonic(), 0.001))
-            head = sock.recv(64)
-    except OSError:
-        return False
-    status = head.split()[1:2]
-    return bool(status) and status[0][:1] in (b"2", b"3")
-
-
 def exec_probe(address: str, *flags: str) -> subprocess.CompletedProcess[str]:
     """The chart's exec probe: C{hostpid nri-probe} as the kubelet runs it."""
     return subprocess.run(
@@ -105,7 +87,8 @@ def test_a_flooded_metrics_port_fails_no_exec_probe(where: Path) -> None:
         address = f"127.0.0.1:{health}"
         ready = exec_probe(address, "--ready")
         assert ready.returncode == 0, (ready.stderr, process.output())
-        assert http_probe(metrics, "/healthz"), "the metrics port answers before the flood"
+        assert http_probe("127.0.0.1", metrics, "/healthz", PROBE_TIMEOUT), \
+            "the metrics port answers before the flood"
 
         flood = subprocess.Popen([sys.executable, "-c", TCP_CONNECT_FLOOD, "127.0.0.1",
                                   str(metrics), "512"], stdout=subprocess.PIPE, text=True)
@@ -114,7 +97,7 @@ def test_a_flooded_metrics_port_fails_no_exec_probe(where: Path) -> None:
             old_failed, rounds, failed_exec = 0, 0, []
             while old_failed < FAILURE_THRESHOLD and rounds < MAX_ROUNDS:
                 rounds += 1
-                old_failed += not http_probe(metrics, "/healthz")
+                old_failed += not http_probe("127.0.0.1", metrics, "/healthz", PROBE_TIMEOUT)
                 for flags in ((), ("--ready",)):
                     probe = exec_probe(address, *flags)
                     if probe.returncode != 0:
