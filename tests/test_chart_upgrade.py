@@ -48,7 +48,7 @@ import pytest
 import yaml
 from support import REPO
 from test_chart import CHART, RELEASE, merge, notes, sets
-from test_doc_namespace import DOCUMENTS, commands
+from test_doc_namespace import commands
 
 FIXTURES = sorted((REPO / "tests" / "fixtures" / "chart-values").glob("*.yaml"))
 #: The flag every documented upgrade carries.

@@ -1,0 +1,111 @@
+"""
+An upgrade across chart versions on the real node, with the documented
+command, while GPU pods query.
+
+The release is installed from the chart as it was at L{EARLIER} (C{git
+archive} of that commit's chart directory): the first chart with the NRI
+plugin, whose plugin followed C{hostPIDBroker.enabled} (no C{nri.gate} yet)
+and whose state of C{values.yaml} is one of those C{tests/test_chart_upgrade.py}
+upgrades from.  With the broker and the plugin on, two GPU pods query the
+broker every 50 ms; then:
+
+1. C{--reuse-values}, as the docs had it, is refused by Helm against the API
+   server (a server-side dry run: nothing changes);
+2. C{helm upgrade --reset-then-reuse-values --set nri.gate=true} (the docs'
+   flag; the chart's CHANGELOG says to set C{nri.gate} when upgrading from a
+   chart before it) to this chart, waited for with C{kubectl rollout status}:
+   no query fails across the broker's surge-first handover, every pod now
+   carries this chart's version, and a GPU pod created after it still gets
+   its host PID through the plugin.
+
+It runs after C{test_rollout.py} on the same node (it replaces that file's
+release) and adds one install and one upgrade: about a minute on 2 cores.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import helm_python as helm
+import pytest
+import workloads
+import yaml
+from cluster import Cluster
+from deviceplugin import DevicePlugin
+from release import CHART, NAMESPACE, Release
+from support import REPO, skip_or_fail, wait_for
+from test_rollout import RESTRICTED, Loop, failures
+from test_rollout import images as images  # noqa: F401  (the module's fixture, shared)
+
+#: The earlier chart: the NRI plugin's first chart (fixture 12-b9d413c's state).
+EARLIER = "b9d413c"
+
+
+@pytest.fixture(scope="module")
+def earlier_chart(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The chart directory as it was at L{EARLIER}, from git."""
+    out = tmp_path_factory.mktemp("earlier-chart")
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", EARLIER, "deploy/helm/hostpid-broker"],
+        capture_output=True, check=False)
+    if archive.returncode != 0:
+        skip_or_fail(f"the chart at commit {EARLIER} is not in this checkout's history "
+                     f"(git archive: {archive.stderr.decode().strip()})")
+    subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True)
+    return out / "deploy" / "helm" / "hostpid-broker"
+
+
+@pytest.fixture(scope="module")
+def release(kube: Cluster, gpus: DevicePlugin, images: dict[str, str]  # noqa: F811
+            ) -> Iterator[Release]:
+    kube.namespace(RESTRICTED, {"pod-security.kubernetes.io/enforce": "restricted"})
+    chart = Release(kube, images["repository"], images["tag"])
+    chart.uninstall()  # test_rollout.py's, when it ran first
+    try:
+        yield chart
+    finally:
+        chart.uninstall()
+        chart.close()
+
+
+def chart_labels(kube: Cluster) -> set[str]:
+    pods = kube.get("pods", "-n", NAMESPACE)["items"]
+    return {p["metadata"]["labels"].get("helm.sh/chart", "") for p in pods
+            if "deletionTimestamp" not in p["metadata"]}
+
+
+def test_upgrade_from_an_earlier_chart_while_gpu_pods_query(
+        kube: Cluster, release: Release, earlier_chart: Path) -> None:
+    old_version = yaml.safe_load((earlier_chart / "Chart.yaml").read_text())["version"]
+    new_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["version"]
+    release.install("hostPIDBroker.enabled=true", "nri.enabled=true", chart=earlier_chart)
+    print(release.rollout("daemonset", "hostpid-broker"))
+    print(release.rollout("daemonset", "hostpid-nri"))
+    assert chart_labels(kube) == {f"hostpid-broker-{old_version}"}
+
+    loop = Loop(kube, "upgrade")
+    try:
+        wait_for(lambda: all(len(v) >= 5 for v in loop.lines().values()),
+                 "the loop pods' first answers", 60.0)
+        with pytest.raises(helm.HelmError) as refused:
+            release.upgrade("nri.gate=true", reuse="--reuse-values", dry_run="server")
+        print(f"\n[cluster] --reuse-values from {EARLIER}: {refused.value}")
+        assert "nil pointer" in str(refused.value) or "missing property" in str(refused.value)
+
+        release.upgrade("nri.gate=true")
+        print(release.rollout("daemonset", "hostpid-broker"))
+        print(release.rollout("daemonset", "hostpid-nri"))
+    finally:
+        lines = loop.stop()
+    total, failed = failures(lines)
+    print(f"\n[cluster] upgrade from the chart at {EARLIER} ({old_version}) to "
+          f"{new_version}: {total} queries, {failed} failed")
+    assert total > 0
+    assert failed == 0, [line for v in lines.values() for line in v if not line.startswith("ok")]
+    assert chart_labels(kube) == {f"hostpid-broker-{new_version}"}
+
+    run = workloads.run(kube, workloads.pod(RESTRICTED, "after-upgrade"))
+    assert run.exit_code == 0, run.stdout
+    assert run.answer() == (run.host_pid, 1)
