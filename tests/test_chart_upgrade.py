@@ -219,8 +219,16 @@ def cross(walk: Walk, index: int, fixture: Path, scratch: Path,
     return Outcome(None, docs), merge(operator, command.sets), expected_namespace
 
 
+#: The reader's own registry, in place of the docs' placeholder (which is the chart's
+#: default): a value of the operator's that an upgrade must keep.
+OWN_REPOSITORY = "registry.internal/gpu/hostpid-broker"
+
+
 def documented_install(walk: Walk) -> Command:
-    return find("install", *walk.install)
+    command = find("install", *walk.install)
+    assert "image" in command.sets, command.text
+    return attrs.evolve(command, sets=merge(command.sets, {
+        "image": {"repository": OWN_REPOSITORY}}))
 
 
 @pytest.fixture(scope="module")
