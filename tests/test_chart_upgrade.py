@@ -91,8 +91,14 @@ class Command:
 
 
 def documented(verb: str) -> list[Command]:
-    return [Command.parse(where, text) for where, text in commands()
-            if text.startswith(f"helm {verb} ")]
+    return [c for c in _documented() if c.text.startswith(f"helm {verb} ")]
+
+
+@functools.cache
+def _documented() -> tuple[Command, ...]:
+    """Every helm command of the docs, parsed once a run."""
+    return tuple(Command.parse(where, text) for where, text in commands()
+                 if text.startswith("helm "))
 
 
 def find(verb: str, document: str, containing: str) -> Command:
@@ -298,7 +304,8 @@ def test_the_old_flag_fails_from_earlier_states(scratch: Path) -> None:
         for name, index in crossings():
             outcome, _, _ = cross(WALKS[name], index, fixture, scratch, mode="--reuse-values")
             if outcome.error is not None:
-                failed.setdefault(fixture.stem, outcome.error)
+                failed[fixture.stem] = outcome.error
+                break  # one failing documented command is the operator's failed upgrade
     # 13 of the 18 when this was written: every state before the NRI plugin's gate value.
     assert len(failed) >= 11, sorted(failed)
     assert {f.stem for f in FIXTURES if old_layout(f)} <= set(failed), \
