@@ -9,8 +9,9 @@ and whose state of C{values.yaml} is one of those C{tests/test_chart_upgrade.py}
 upgrades from.  With the broker and the plugin on, two GPU pods query the
 broker every 50 ms; then:
 
-1. C{--reuse-values}, as the docs had it, is refused by Helm against the API
-   server (a server-side dry run: nothing changes);
+1. C{--reuse-values --set hostPIDBroker.enabled=true}, the docs' command as
+   it was, is refused by Helm against the API server (a server-side dry run:
+   nothing changes): the new chart's schema wants C{nri.gate};
 2. C{helm upgrade --reset-then-reuse-values --set nri.gate=true} (the docs'
    flag; the chart's CHANGELOG says to set C{nri.gate} when upgrading from a
    chart before it) to this chart, waited for with C{kubectl rollout status}:
@@ -89,10 +90,13 @@ def test_upgrade_from_an_earlier_chart_while_gpu_pods_query(
     try:
         wait_for(lambda: all(len(v) >= 5 for v in loop.lines().values()),
                  "the loop pods' first answers", 60.0)
+        # The old docs' command (docs/rollout.md step 2, as it was): the new chart's
+        # schema wants nri.gate, which the old release's values never had.
         with pytest.raises(helm.HelmError) as refused:
-            release.upgrade("nri.gate=true", reuse="--reuse-values", dry_run="server")
+            release.upgrade("hostPIDBroker.enabled=true", reuse="--reuse-values",
+                            dry_run="server")
         print(f"\n[cluster] --reuse-values from {EARLIER}: {refused.value}")
-        assert "nil pointer" in str(refused.value) or "missing property" in str(refused.value)
+        assert "missing property 'gate'" in str(refused.value)
 
         release.upgrade("nri.gate=true")
         print(release.rollout("daemonset", "hostpid-broker"))
