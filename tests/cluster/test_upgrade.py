@@ -71,8 +71,10 @@ def release(kube: Cluster, gpus: DevicePlugin, images: dict[str, str]  # noqa: F
         chart.close()
 
 
-def chart_labels(kube: Cluster) -> set[str]:
-    pods = kube.get("pods", "-n", NAMESPACE)["items"]
+def chart_labels(kube: Cluster, selector: str = "app.kubernetes.io/part-of=hostpid"
+                 ) -> set[str]:
+    """The C{helm.sh/chart} labels of the release's running pods (C{""}: none)."""
+    pods = kube.get("pods", "-n", NAMESPACE, "-l", selector)["items"]
     return {p["metadata"]["labels"].get("helm.sh/chart", "") for p in pods
             if "deletionTimestamp" not in p["metadata"]}
 
@@ -84,7 +86,9 @@ def test_upgrade_from_an_earlier_chart_while_gpu_pods_query(
     release.install("hostPIDBroker.enabled=true", "nri.enabled=true", chart=earlier_chart)
     print(release.rollout("daemonset", "hostpid-broker"))
     print(release.rollout("daemonset", "hostpid-nri"))
-    assert chart_labels(kube) == {f"hostpid-broker-{old_version}"}
+    # The earlier chart labelled only the broker's pods with its version.
+    assert chart_labels(kube, "app.kubernetes.io/component=broker") == \
+        {f"hostpid-broker-{old_version}"}
 
     loop = Loop(kube, "upgrade")
     try:
@@ -108,7 +112,7 @@ def test_upgrade_from_an_earlier_chart_while_gpu_pods_query(
           f"{new_version}: {total} queries, {failed} failed")
     assert total > 0
     assert failed == 0, [line for v in lines.values() for line in v if not line.startswith("ok")]
-    assert chart_labels(kube) == {f"hostpid-broker-{new_version}"}
+    assert chart_labels(kube) == {f"hostpid-broker-{new_version}"}, "every pod, the plugin's too"
 
     run = workloads.run(kube, workloads.pod(RESTRICTED, "after-upgrade"))
     assert run.exit_code == 0, run.stdout
