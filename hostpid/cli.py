@@ -13,9 +13,10 @@ import sys
 
 from hostpid import defaults, version
 
-# Nothing heavier than that at import: C{hostpid probe} (an exec probe, a
-# fresh interpreter every few seconds on every node) parses its two options
-# by hand (L{_probe_arguments}) and loads neither argparse nor typing.
+# Nothing heavier than that at import: C{hostpid probe} and C{hostpid
+# nri-probe} (exec probes, a fresh interpreter every few seconds on every
+# node) parse their options by hand (L{_quick_options}) and load neither
+# argparse nor typing.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import argparse
@@ -80,6 +81,24 @@ def _probe(args: argparse.Namespace | _ProbeArguments, stdout: TextIO, stderr: T
         f"{report.socket_path}: ok: answered PID {report.pid} (this process); "
         f"{report.socket.observed}; {gate}\n"
     )
+    return 0
+
+
+def _nri_probe(args: argparse.Namespace | _NRIProbeArguments, stdout: TextIO,
+               stderr: TextIO) -> int:
+    """
+    C{hostpid nri-probe}: the kubelet's exec probe of the NRI plugin, one
+    C{GET /healthz} (or C{/readyz} with C{--ready}) on the plugin's
+    C{--health} listener.  One line either way.
+    """
+    from hostpid.nri.probe import ProbeError, get
+
+    try:
+        body = get(args.address, "/readyz" if args.ready else "/healthz", args.timeout)
+    except (ProbeError, ValueError) as problem:
+        stderr.write(f"hostpid nri-probe: {problem}\n")
+        return 1
+    stdout.write(f"{args.address}: {body}\n")
     return 0
 
 
@@ -487,6 +506,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     probe.set_defaults(run=_probe)
 
+    nri_probe = _subcommand(
+        commands, "nri-probe",
+        "check a running NRI plugin from its own container (an exec probe)",
+        "The kubelet's exec probe of `twistd hostpid-nri`: GET /healthz (or /readyz with\n"
+        "--ready) on the plugin's --health listener, which no other pod reaches.  Exit 0\n"
+        "on 200 (prints the answer); 1 otherwise, with one line on stderr naming the\n"
+        "address and what failed.",
+    )
+    nri_probe.add_argument(
+        "--address", default=defaults.NRI_PROBE_ADDRESS, metavar="HOST:PORT|PATH",
+        help="the plugin's --health listener, HOST:PORT ([::1]:PORT) or a Unix socket path; "
+        "the chart's plugin listens at the default (default: %(default)s)",
+    )
+    nri_probe.add_argument(
+        "--ready", action="store_true",
+        help="ask /readyz (configured by the runtime, host sound at the last look) instead "
+        "of /healthz (the plugin answers) (default: %(default)s)",
+    )
+    nri_probe.add_argument(
+        "--timeout", type=_seconds("--timeout"), default=defaults.NRI_PROBE_TIMEOUT, metavar="S",
+        help="one deadline in seconds over connect, write and read (default: %(default)s)",
+    )
+    nri_probe.set_defaults(run=_nri_probe)
+
     doctor = _subcommand(
         commands, "doctor",
         "run each client trust check and print one line per check",
@@ -543,36 +586,65 @@ class _ProbeArguments:
         self.trusted_uid = trusted_uid
 
 
-def _probe_arguments(argv: Sequence[str]) -> _ProbeArguments | None:
+class _NRIProbeArguments:
+    """C{hostpid nri-probe}'s options, as L{_nri_probe} reads them."""
+
+    def __init__(self, address: str, ready: bool, timeout: float) -> None:
+        self.address = address
+        self.ready = ready
+        self.timeout = timeout
+
+
+def _quick_options(
+    words: Sequence[str], options: dict[str, str | None], flags: dict[str, bool]
+) -> bool:
     """
-    C{probe [--socket PATH] [--timeout S] [--trusted-uid UID]} (each also as
-    C{--opt=value}) parsed
-    without argparse, or C{None} for anything else, which then goes to the
-    full parser: help, a usage error, an abbreviation, a value that starts
-    with C{-}.  So the probe's behaviour is the parser's, at a fraction of
-    its import cost.
+    C{--name value} (also C{--name=value}) for each of C{options} and bare
+    C{--flag} for each of C{flags}, filled in place; False for anything else,
+    which then goes to the full parser: help, a usage error, an abbreviation,
+    a value that starts with C{-}.  So an exec probe behaves as the parser
+    says, at a fraction of its import cost.
     """
-    if not argv or argv[0] != "probe":
-        return None
-    options = {"--socket": defaults.BROKER_SOCKET, "--timeout": None, "--trusted-uid": None}
-    words = list(argv[1:])
+    words = list(words)
     while words:
         name, equals, value = words.pop(0).partition("=")
+        if name in flags and not equals:
+            flags[name] = True
+            continue
         if name not in options:
-            return None
+            return False
         if not equals:
             if not words:
-                return None
+                return False
             value = words.pop(0)
         if not value or value.startswith("-"):
-            return None
+            return False
         options[name] = value
-    timeout = defaults.DEADLINE
-    if options["--timeout"] is not None:
-        seconds = _seconds_value(options["--timeout"])
-        if seconds is None:
-            return None
-        timeout = seconds
+    return True
+
+
+def _quick_seconds(text: str | None, default: float) -> float | None:
+    """C{--timeout} as L{_seconds_value} reads it, C{default} when not given, None if invalid."""
+    return default if text is None else _seconds_value(text)
+
+
+def _probe_arguments(argv: Sequence[str]) -> _ProbeArguments | _NRIProbeArguments | None:
+    """
+    C{probe [--socket PATH] [--timeout S] [--trusted-uid UID]} or
+    C{nri-probe [--address ADDRESS] [--ready] [--timeout S]} parsed without
+    argparse (L{_quick_options}), or C{None} for anything else.
+    """
+    if argv and argv[0] == "nri-probe":
+        return _nri_probe_arguments(argv[1:])
+    if not argv or argv[0] != "probe":
+        return None
+    options: dict[str, str | None] = {
+        "--socket": defaults.BROKER_SOCKET, "--timeout": None, "--trusted-uid": None}
+    if not _quick_options(argv[1:], options, {}):
+        return None
+    timeout = _quick_seconds(options["--timeout"], defaults.DEADLINE)
+    if timeout is None:
+        return None
     uid = 0
     if options["--trusted-uid"] is not None:
         parsed = _uid_value(options["--trusted-uid"])
@@ -580,6 +652,18 @@ def _probe_arguments(argv: Sequence[str]) -> _ProbeArguments | None:
             return None
         uid = parsed
     return _ProbeArguments(str(options["--socket"]), timeout, uid)
+
+
+def _nri_probe_arguments(words: Sequence[str]) -> _NRIProbeArguments | None:
+    options: dict[str, str | None] = {"--address": defaults.NRI_PROBE_ADDRESS,
+                                      "--timeout": None}
+    flags = {"--ready": False}
+    if not _quick_options(words, options, flags):
+        return None
+    timeout = _quick_seconds(options["--timeout"], defaults.NRI_PROBE_TIMEOUT)
+    if timeout is None:
+        return None
+    return _NRIProbeArguments(str(options["--address"]), flags["--ready"], timeout)
 
 
 def main(
@@ -595,6 +679,8 @@ def main(
         (stdout or sys.stdout).write(version.version_line() + "\n")
         return 0
     probing = _probe_arguments(arguments)
+    if isinstance(probing, _NRIProbeArguments):
+        return _nri_probe(probing, stdout or sys.stdout, stderr or sys.stderr)
     if probing is not None:
         return _probe(probing, stdout or sys.stdout, stderr or sys.stderr)
     args = build_parser().parse_args(argv)

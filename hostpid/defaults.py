@@ -62,3 +62,10 @@ SOCKET_MODE = 0o666
 LOCK_MODE = 0o600
 HANDOVER_MODE = 0o600
 LOCK_PARENT_MODE = 0o1777
+
+#: C{hostpid nri-probe}'s deadline, seconds over connect, write and read: below
+#: the chart's C{timeoutSeconds} (3 s), with room for the interpreter's start.
+NRI_PROBE_TIMEOUT = 2.0
+#: Where C{hostpid nri-probe} asks by default: the chart's C{--health}
+#: listener of the plugin (C{nri.probePort}) on its pod's loopback.
+NRI_PROBE_ADDRESS = "127.0.0.1:9398"

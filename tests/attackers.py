@@ -190,3 +190,45 @@ def nested_many(linger, count):
         outers.append(outer)
     return outers
 '''
+
+#: A TCP connect flood from one process (any pod that reaches a port):
+#: N connections to argv[1]:argv[2] kept in flight, non-blocking, each one
+#: the server closes (or that fails) replaced at once, so the listen
+#: backlog stays full and whoever else connects waits for a free place
+#: there.  Prints "ready" once N connects are in flight; on SIGTERM prints
+#: the number of connects made ("connects N") and exits.  Standard library
+#: only.
+TCP_CONNECT_FLOOD = r"""
+import select, signal, socket, sys
+host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+poller = select.epoll()
+held = {}
+made = 0
+def stop(*_):
+    print(f"connects {made}", flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+def open_one():
+    global made
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+    made += 1
+    try:
+        sock.connect((host, port))
+    except BlockingIOError:
+        pass
+    except OSError:
+        sock.close()
+        return False
+    held[sock.fileno()] = sock
+    poller.register(sock.fileno(), select.EPOLLIN | select.EPOLLRDHUP)
+    return True
+for _ in range(n):
+    open_one()
+print("ready", flush=True)
+while True:
+    for fd, _ in poller.poll(0.01, 512):
+        poller.unregister(fd)
+        held.pop(fd).close()
+    while len(held) < n and open_one():
+        pass
+"""

@@ -288,6 +288,30 @@ class FakeRuntime:
         self.close()
 
 
+def host_tree(root: Path) -> Path:
+    """
+    C{root} as a node's host paths for the plugin: C{broker/} (the broker
+    directory) and C{tmp/vgpulock} (the lock parent, in a 0755 C{tmp}).
+    """
+    (root / "broker").mkdir()
+    (root / "tmp").mkdir(mode=0o755)
+    (root / "tmp" / "vgpulock").mkdir()
+    return root
+
+
+def unfreeze(path: Path) -> None:
+    """
+    Clear the immutable attribute below C{path} (where preparation sets one on
+    the broker mountpoint) so that root can remove what the plugin made.
+    """
+    import shutil
+    import subprocess
+
+    chattr = shutil.which("chattr")
+    if chattr is not None:
+        subprocess.run([chattr, "-R", "-i", str(path)], capture_output=True, check=False)
+
+
 def http_get(path: Path | str, target: str, timeout: float = 5.0) -> tuple[int, str]:
     """C{GET target} over the Unix socket C{path} (a C{--metrics unix:PATH} endpoint)."""
     with socket.socket(socket.AF_UNIX) as sock:
@@ -308,11 +332,13 @@ class NRIPluginProcess:
 
     @param metrics: a Unix socket path for C{--metrics}; then L{ready},
         L{wait_registered} and L{metric} read the plugin's own endpoints.
+    @param wrapper: a command line the plugin's is appended to (one that
+        sets up a namespace, then runs C{"$@"}).
     """
 
     def __init__(self, socket_path: Path | str, args: Iterable[str] = (), gate: str | None = "1",
                  env: Mapping[str, str] | None = None,
-                 metrics: Path | str | None = None) -> None:
+                 metrics: Path | str | None = None, wrapper: Iterable[str] = ()) -> None:
         import subprocess
         import tempfile
 
@@ -327,7 +353,7 @@ class NRIPluginProcess:
         if gate is not None:
             environment["LIBVGPU_HOSTPID_BROKER"] = gate
         self._log = tempfile.TemporaryFile()
-        self.argv = [*TWISTD, "--nodaemon", "--pidfile=", "hostpid-nri",
+        self.argv = [*wrapper, *TWISTD, "--nodaemon", "--pidfile=", "hostpid-nri",
                      "--nri-socket", str(socket_path), *args]
         self.process = subprocess.Popen(
             self.argv, env=environment, stdin=subprocess.DEVNULL, stdout=self._log,

@@ -133,7 +133,7 @@ class TestSelfDescription:
             if isinstance(action, argparse._SubParsersAction)
         ]
         assert set(commands.choices) == {"query", "probe", "doctor", "prepare-lock-parent", "cdi",
-                                         "allocate"}
+                                         "allocate", "nri-probe"}
         summaries = {choice.dest: choice.help for choice in commands._choices_actions}
         for name, subparser in commands.choices.items():
             assert summaries[name], f"{name}: no summary in `hostpid --help`"
@@ -147,7 +147,7 @@ class TestSelfDescription:
                 rendered = subparser.format_help()
                 assert str(action.default) in " ".join(rendered.split()), (name, action.dest)
 
-    @pytest.mark.parametrize("command", ["query", "probe"])
+    @pytest.mark.parametrize("command", ["query", "probe", "nri-probe"])
     @pytest.mark.parametrize("timeout", ["0", "-1", "nan", "inf", "1e12", "3601", "soon"])
     def test_a_bad_timeout_names_the_option(
         self, command: str, timeout: str, capsys: pytest.CaptureFixture[str]
@@ -544,8 +544,24 @@ class TestProbeIsCheap:
     def test_the_hand_parser_agrees_with_argparse(self, argv: list[str]) -> None:
         fast = cli._probe_arguments(argv)
         full = cli.build_parser().parse_args(argv)
-        assert fast is not None
+        assert isinstance(fast, cli._ProbeArguments)
         assert (fast.socket, fast.timeout) == (full.socket, full.timeout)
+
+    @pytest.mark.parametrize(
+        "argv",
+        [
+            ["nri-probe"],
+            ["nri-probe", "--ready"],
+            ["nri-probe", "--address", "127.0.0.1:9399", "--ready", "--timeout=0.5"],
+            ["nri-probe", "--address=/run/h.sock", "--address", "[::1]:1"],
+        ],
+    )
+    def test_the_nri_probe_hand_parser_agrees_with_argparse(self, argv: list[str]) -> None:
+        fast = cli._probe_arguments(argv)
+        full = cli.build_parser().parse_args(argv)
+        assert isinstance(fast, cli._NRIProbeArguments)
+        assert (fast.address, fast.ready, fast.timeout) == (
+            full.address, full.ready, full.timeout)
 
     @pytest.mark.parametrize(
         "argv",
@@ -553,6 +569,8 @@ class TestProbeIsCheap:
             ["probe", "--help"], ["probe", "--sock", "/x"], ["probe", "--timeout", "0"],
             ["probe", "--timeout", "nan"], ["probe", "--socket"], ["probe", "--socket", "-x"],
             ["probe", "--socket="], ["probe", "extra"], ["query"], [],
+            ["probe", "--ready"], ["nri-probe", "--ready=1"], ["nri-probe", "--timeout", "0"],
+            ["nri-probe", "--address"], ["nri-probe", "--help"],
         ],
     )
     def test_anything_else_goes_to_argparse(self, argv: list[str]) -> None:

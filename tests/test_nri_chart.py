@@ -14,13 +14,20 @@ Why each check exists:
   container at the next index (a crashed plugin leaves the other), with no
   host PID namespace, no capability, root only for the runtime's socket,
   the runtime's socket directory and the broker directory read-only, and
-  nothing of the host writable but the lock parent's directory (the
-  plugin repairs the broker mountpoint there, as C{hostpid allocate}
-  does).
+  nothing of the host writable but the lock parent itself (the plugin
+  repairs the broker mountpoint there, as C{hostpid allocate} does).  It was
+  the lock parent's parent, the host's C{/tmp} with other services'
+  C{systemd-private-*} directories, and a schema-valid C{/var/vgpulock} gave
+  it the host's C{/var}.  A lock parent deeper than a name directly in
+  C{/tmp} is refused at render with the plugin on: the plugin no longer sees
+  the directories above it.
 - Its gate is its own (C{nri.gate}, on after the broker and off before it:
-  the chart refuses it without the broker's), its options the values; the
-  probes use its
-  C{/readyz} and C{/healthz}; no broker selector selects its pods.
+  the chart refuses it without the broker's), its options the values; no
+  broker selector selects its pods.
+- Probes no other pod can fail: exec probes (C{hostpid nri-probe}) on the
+  plugin's C{--health} listener on the pod's loopback, no C{httpGet} (one
+  flooding pod failed 8 of 9 on the metrics port); the metrics ports admit
+  the monitoring namespace alone (a NetworkPolicy like the broker's).
 - The schema refuses a malformed index or signal before rendering, and
   C{nri.resources} is validated as the plugin validates them
   (L{hostpid.nri.decision.parse_resource}): a value the plugin would refuse
@@ -83,6 +90,8 @@ def test_plugin_daemonset_shape() -> None:
     assert (container["name"], standby["name"]) == ("nri-plugin", "nri-standby")
     assert standby["args"][standby["args"].index("--plugin-index") + 1] == "96"
     assert standby["args"][standby["args"].index("--metrics") + 1] == "tcp:9397:interface=0.0.0.0"
+    assert standby["args"][standby["args"].index("--health") + 1] == \
+        "tcp:9399:interface=127.0.0.1"
     differs = {k for k in container if container[k] != standby[k]}
     assert differs == {"name", "args", "ports", "readinessProbe", "livenessProbe"}, differs
     assert container["command"] == ["twistd", "--nodaemon", "--pidfile=", "hostpid-nri"]
@@ -96,13 +105,12 @@ def test_plugin_daemonset_shape() -> None:
     assert security["runAsUser"] == 0 and security["capabilities"] == {"drop": ["ALL"]}
     assert security["allowPrivilegeEscalation"] is False and security["privileged"] is False
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
-    assert set(mounts) == {"/var/run/nri", "/var/run/hami/hostpid", "/tmp"}
-    # Read-only but the lock parent's directory, which the plugin writes to repair the
+    assert set(mounts) == {"/var/run/nri", "/var/run/hami/hostpid", "/tmp/vgpulock"}
+    # Read-only but the lock parent itself, which the plugin writes to repair the
     # broker mountpoint a tenant replaced.
     assert mounts["/var/run/nri"]["readOnly"] is True, mounts
     assert mounts["/var/run/hami/hostpid"]["readOnly"] is True, mounts
-    assert not mounts["/tmp"].get("readOnly", False), mounts
-    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert not mounts["/tmp/vgpulock"].get("readOnly", False), mounts
     broker = by_kind([d for d in docs if d["metadata"]["name"] == "hostpid-broker"],
                      "DaemonSet")
     selector = broker["spec"]["selector"]["matchLabels"]
@@ -252,3 +260,97 @@ def test_the_notes_lead_the_nri_path_to_its_gate(parts: tuple[str, ...]) -> None
     assert gate(values) == "1" and values["nri"]["gate"] is True
     rollback = notes(values).split("Roll back", 1)[1]
     assert "--set nri.gate=false" in rollback
+
+
+def test_probes_are_exec_probes_on_the_pods_loopback() -> None:
+    """
+    No httpGet, tcpSocket or grpc probe (the kubelet connects to the pod IP,
+    which every pod reaches): each container's probes run `hostpid
+    nri-probe` against its own --health listener on 127.0.0.1, and the ports
+    the pod declares are the metrics ports only.
+    """
+    spec = plugin_daemonset(render(merge(ON, sets("nri.probePort=9500"))))[
+        "spec"]["template"]["spec"]
+    for container, port in zip(spec["containers"], (9500, 9501), strict=True):
+        args = container["args"]
+        assert args[args.index("--health") + 1] == f"tcp:{port}:interface=127.0.0.1"
+        ready, live = container["readinessProbe"], container["livenessProbe"]
+        assert set(ready) - {"periodSeconds", "timeoutSeconds", "failureThreshold"} == {"exec"}
+        assert set(live) - {"periodSeconds", "timeoutSeconds", "failureThreshold"} == {"exec"}
+        assert ready["exec"]["command"] == [
+            "hostpid", "nri-probe", "--address", f"127.0.0.1:{port}", "--ready"]
+        assert live["exec"]["command"] == [
+            "hostpid", "nri-probe", "--address", f"127.0.0.1:{port}"]
+        assert [p["containerPort"] for p in container["ports"]] != [port]
+    assert "overlap" in str(refusal(merge(ON, sets("nri.probePort=9397"))))
+
+
+def test_a_networkpolicy_admits_the_monitoring_namespace_to_the_metrics_ports() -> None:
+    docs = render(merge(ON, sets("networkPolicy.additionalFrom[0].ipBlock.cidr=192.0.2.0/24")))
+    (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy"
+                 and d["metadata"]["name"] == "hostpid-nri-metrics"]
+    labels = plugin_daemonset(docs)["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["from"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}},
+        {"ipBlock": {"cidr": "192.0.2.0/24"}}]
+    names = {p["name"] for c in plugin_daemonset(docs)["spec"]["template"]["spec"]["containers"]
+             for p in c["ports"]}
+    assert {p["port"] for p in rule["ports"]} == names == {"nri-metrics", "nri-standby"}
+    assert not [d for d in render(merge(ON, sets("networkPolicy.enabled=false")))
+                if d["kind"] == "NetworkPolicy" and "nri" in d["metadata"]["name"]]
+    assert not [d for d in render() if d["kind"] == "NetworkPolicy"
+                and "nri" in d["metadata"]["name"]]
+
+
+@pytest.mark.parametrize("lock_parent", ["/tmp/vgpulock", "/tmp/gpu-locks.2"])
+def test_the_plugin_mounts_the_lock_parent_itself(lock_parent: str) -> None:
+    """
+    The lock parent at its host path, writable, created by kubelet as root's
+    on a fresh node; no host path above it, nothing in it but what the
+    plugin is told.
+    """
+    spec = plugin_daemonset(render(merge(ON, sets(f"broker.lockParent={lock_parent}"))))[
+        "spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    for container in spec["containers"]:
+        args = container["args"]
+        assert args[args.index("--lock-parent") + 1] == lock_parent
+        writable = [m for m in container["volumeMounts"] if not m.get("readOnly")]
+        (mount,) = writable
+        assert mount["mountPath"] == lock_parent
+        assert volumes[mount["name"]]["hostPath"] == {"path": lock_parent,
+                                                     "type": "DirectoryOrCreate"}
+    host_paths = [v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v]
+    assert "/tmp" not in host_paths and all(
+        not lock_parent.startswith(path.rstrip("/") + "/") for path in host_paths), host_paths
+
+
+@pytest.mark.parametrize("lock_parent", [
+    "/var/vgpulock", "/tmp/a/vgpulock", "/tmp/..", "/tmp/.", "/tmp", "/tmp/", "/vgpulock",
+    "/var/tmp/vgpulock", "/tmp/../etc",
+])
+def test_a_lock_parent_the_plugin_could_not_check_is_refused(lock_parent: str) -> None:
+    message = str(refusal(merge(ON, sets(f"broker.lockParent={lock_parent}"))))
+    assert f"broker.lockParent=\"{lock_parent}\" with nri.enabled=true" in message or (
+        "broker.lockParent must not be /" in message), message  # the broker's own rule
+    # The broker alone still takes it (its preparation walks the host's directories).
+    if lock_parent not in ("/tmp", "/tmp/", "/tmp/..", "/tmp/.", "/tmp/../etc"):
+        render(sets(f"broker.lockParent={lock_parent}"))
+
+
+def test_a_lock_parent_outside_tmp_on_the_operators_word() -> None:
+    """
+    nri.allowLockParentOutsideTmp admits a deeper lock parent (the cluster
+    tier's is in its own node root), never one with a "." or ".." component.
+    """
+    allow = merge(ON, sets("nri.allowLockParentOutsideTmp=true"))
+    spec = plugin_daemonset(render(merge(allow, sets("broker.lockParent=/var/lib/gpu/vgpulock"))))[
+        "spec"]["template"]["spec"]
+    assert {"path": "/var/lib/gpu/vgpulock", "type": "DirectoryOrCreate"} in [
+        v["hostPath"] for v in spec["volumes"] if "hostPath" in v]
+    for lock_parent in ("/tmp/a/../vgpulock", "/var/./vgpulock", "/var/vgpulock/", "/"):
+        message = str(refusal(merge(allow, sets(f"broker.lockParent={lock_parent}"))))
+        assert "no \".\" or \"..\" component" in message or "lockParent" in message, message

@@ -11,6 +11,10 @@ Why each check exists:
   C{nvidia.com/gpu}) and the gate is read from the plugin's environment.
 - C{/readyz} follows the registration; C{/metrics} serves the plugin's own
   registry; the HTTP bounds are the shared ones (no body, GET and HEAD only).
+- C{/readyz} reports the plugin's last look at the host and never looks
+  itself (a look repairs and logs: requests must not make the root plugin
+  act on the host); the C{--health} site, the exec probe's, has no
+  C{/metrics} and its own listener.
 """
 
 from __future__ import annotations
@@ -52,7 +56,9 @@ def test_resources_replace_the_default() -> None:
     ["--resource", "env:NVIDIA_VISIBLE_DEVICES"], ["--resource", "amd.com/gpu"],
     ["--registration-timeout", "0"], ["--registration-timeout", "61"],
     ["--registration-timeout", "soon"], ["--nri-socket", ""],
-    ["--metrics", "nonsense:1"],
+    ["--metrics", "nonsense:1"], ["--health", "nonsense:1"],
+    ["--host-look-interval", "0"], ["--host-look-interval", "3601"],
+    ["--host-look-interval", "often"],
 ])
 def test_usage_errors(argv: list[str]) -> None:
     with pytest.raises(usage.UsageError):
@@ -63,6 +69,10 @@ def test_service_builds() -> None:
     service = makeService(parse("--metrics", "tcp:0:interface=127.0.0.1"))
     names = [type(child).__name__ for child in service]  # type: ignore[attr-defined]
     assert names == ["NRIPluginService", "HealthEndpointService"]
+    service = makeService(parse("--metrics", "tcp:0:interface=127.0.0.1",
+                                "--health", "tcp:0:interface=127.0.0.1"))
+    names = [type(child).__name__ for child in service]  # type: ignore[attr-defined]
+    assert names == ["NRIPluginService", "HealthEndpointService", "HealthEndpointService"]
 
 
 class Ready:
@@ -94,3 +104,41 @@ def test_health_endpoints() -> None:
         .startswith(b"HTTP/1.1 405")
     assert get(site, b"GET /readyz HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\n") \
         .startswith(b"HTTP/1.1 413")
+
+
+def test_readyz_reports_the_last_look_and_never_looks() -> None:
+    from hostpid.nri.hostcheck import HostState
+
+    readiness = Ready()
+    readiness.ready = True
+    looks: list[HostState | None] = [None]
+    site = health_site(readiness, None, reactor=MemoryReactorClock(), host=lambda: looks[-1])
+    answer = get(site, b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 503") and b"not been looked at yet" in answer
+    looks.append(HostState(mountpoint_problem="/tmp/vgpulock/hostpid is a symlink"))
+    answer = get(site, b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 503") and b"is a symlink" in answer
+    looks.append(HostState())
+    assert get(site, b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n").startswith(b"HTTP/1.1 200")
+    # The probes' site: no /metrics.
+    assert get(site, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").startswith(b"HTTP/1.1 404")
+
+
+def test_the_service_gives_readyz_the_last_look(monkeypatch: pytest.MonkeyPatch) -> None:
+    """
+    makeService wires /readyz to the adjuster's last look, never to a look
+    (the service is not started: nothing here touches the host).
+    """
+    from hostpid.nri.health import ReadyResource
+    from hostpid.nri.hostcheck import HostState
+
+    monkeypatch.setenv("LIBVGPU_HOSTPID_BROKER", "1")
+    service = makeService(parse("--health", "tcp:0:interface=127.0.0.1"),
+                          reactor=MemoryReactorClock())
+    children = {type(c).__name__: c for c in service}  # type: ignore[attr-defined]
+    adjuster = children["TimerService"].call[0].__self__
+    ready = children["HealthEndpointService"].factory.resource.children[b"readyz"]
+    assert isinstance(ready, ReadyResource) and ready.host is not None
+    assert ready.host() is None
+    adjuster.last = seen = HostState(missing=("/tmp/vgpulock",))
+    assert ready.host() is seen

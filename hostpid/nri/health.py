@@ -5,15 +5,31 @@ connection cap with the oldest evicted, a request deadline that trickled
 data does not extend, C{GET}/C{HEAD} only and no body, one request per
 connection, no traceback and no access log.
 
-  - C{/healthz}: the reactor answers;
+  - C{/healthz}: the reactor answers, and the last look found neither host
+    path this container was given removed on the host since (a restart binds
+    the new one);
   - C{/readyz}: 200 once the runtime has configured the plugin (registered
     alone, it is sent no container yet) and, with the gate on, while the
-    broker directory and the lock parent exist and the broker mountpoint is
-    sound (L{hostpid.nri.hostcheck}); 503 with the reason otherwise (the
-    runtime is down, restarting, refused the plugin or has not configured
-    it; a host path is missing; the mountpoint is unsafe and cannot be
-    repaired);
+    last look at the host (L{hostpid.nri.service.Adjuster.last}: the one
+    before the latest GPU container's adjustment, or the periodic one) found
+    the broker directory and the lock parent present and the broker
+    mountpoint sound (L{hostpid.nri.hostcheck}); 503 with the reason
+    otherwise (the runtime is down, restarting, refused the plugin or has
+    not configured it; the host not looked at yet; a host path missing; the
+    mountpoint unsafe and not repairable);
   - C{/metrics}: L{hostpid.nri.service.NRIMetrics}.
+
+C{/readyz} only reports: it never looks at the host itself.  Looking repairs
+(the mountpoint a tenant replaced) and logs (each repair), so a request that
+looked would let anyone who reaches the port make the root plugin act on the
+host and write its log at the rate it sends requests (200 requests, 69,400
+bytes of log).  The looks happen at a GPU container's creation and every
+C{--host-look-interval} seconds, whatever the requests.
+
+Two sites can serve these: C{--metrics} (all three, for Prometheus) and
+C{--health} (C{/healthz} and C{/readyz} only, for an exec probe over a
+listener no other pod reaches, L{hostpid.nri.probe}).  Each has its own
+connection cap, so a flood of the metrics port cannot evict a probe.
 """
 
 from __future__ import annotations
@@ -29,7 +45,6 @@ from hostpid import defaults
 from hostpid.boundedhttp import (
     BoundedChannel,
     BoundedSite,
-    HealthResource,
     PrometheusResource,
     plain_text,
 )
@@ -45,8 +60,13 @@ class Readiness(Protocol):
 
 
 def not_ready_because(service: Readiness,
-                      host: Callable[[], HostState] | None = None) -> str | None:
-    """Why the plugin is not ready, or None when it is."""
+                      host: Callable[[], HostState | None] | None = None) -> str | None:
+    """
+    Why the plugin is not ready, or None when it is.
+
+    @param host: the last look at the host (None before the first); not
+        called at all while the plugin is not configured.
+    """
     if not service.ready:
         factory = getattr(service, "pluginFactory", None)
         if factory is not None and getattr(factory, "connected", False):
@@ -56,6 +76,8 @@ def not_ready_because(service: Readiness,
     if host is None:
         return None
     state = host()
+    if state is None:
+        return "the host has not been looked at yet"
     if state.missing:
         return f"missing on the host: {' and '.join(state.missing)}"
     if state.mountpoint_problem:
@@ -64,11 +86,32 @@ def not_ready_because(service: Readiness,
     return None
 
 
+class LiveResource(Resource):
+    """
+    C{/healthz}: the reactor answers, and the last look found no host path
+    this container was given removed since (L{hostpid.nri.service.
+    removed_since_mounted}): only a restart binds the host's new one.
+    """
+
+    isLeaf = True
+
+    def __init__(self, stale: Callable[[], tuple[str, ...]] | None = None) -> None:
+        super().__init__()
+        self.stale = stale
+
+    def render_GET(self, request: Request) -> bytes:
+        gone = self.stale() if self.stale is not None else ()
+        if gone:
+            return plain_text(request, 503, f"restart me: {' and '.join(gone)} was removed on "
+                                            "the host since this container started")
+        return plain_text(request, 200, "ok")
+
+
 class ReadyResource(Resource):
     isLeaf = True
 
     def __init__(self, service: Readiness,
-                 host: Callable[[], HostState] | None = None) -> None:
+                 host: Callable[[], HostState | None] | None = None) -> None:
         super().__init__()
         self.service = service
         self.host = host
@@ -99,15 +142,20 @@ class HealthSite(BoundedSite):
     protocol = HealthChannel
 
 
-def health_site(service: Readiness, metrics: NRIMetrics, reactor: Any = None,
-                host: Callable[[], HostState] | None = None) -> HealthSite:
+def health_site(service: Readiness, metrics: NRIMetrics | None, reactor: Any = None,
+                host: Callable[[], HostState | None] | None = None,
+                stale: Callable[[], tuple[str, ...]] | None = None) -> HealthSite:
     """
-    @param host: looks at the host (L{hostpid.nri.service.Adjuster.look});
-        None with the gate off, when the host's state changes nothing.
+    @param metrics: served at C{/metrics}; None for the probes' site.
+    @param host: the last look at the host (L{hostpid.nri.service.Adjuster.last}),
+        never a new one; None with the gate off, when the host's state
+        changes nothing.
+    @param stale: the host paths the last look found removed since mounted.
     """
     root = Resource()
-    root.putChild(b"metrics", PrometheusResource(metrics.registry))
-    root.putChild(b"healthz", HealthResource())
+    if metrics is not None:
+        root.putChild(b"metrics", PrometheusResource(metrics.registry))
+    root.putChild(b"healthz", LiveResource(stale))
     root.putChild(b"readyz", ReadyResource(service, host))
     return HealthSite(root, defaults.METRICS_MAX_CONNECTIONS, defaults.METRICS_REQUEST_TIMEOUT,
                       reactor=reactor)

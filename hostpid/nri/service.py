@@ -18,6 +18,7 @@ connection kept up, readiness.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Callable
@@ -129,6 +130,26 @@ def _bounded_detail(detail: str) -> str:
     return f"{detail[:MAX_DETAIL]}...({len(detail):,} characters)"
 
 
+def removed_since_mounted(paths: tuple[str, ...]) -> tuple[str, ...]:
+    """
+    Those of C{paths} that are directories with no link left: removed on the
+    host since they were bind-mounted here.  The chart's pod mounts the lock
+    parent and the broker directory themselves, so when the host removes one
+    and makes it again (an operator, a C{/tmp} cleaner, a preparation), this
+    container still sees the removed one, and a look at it would say nothing
+    of what the runtime will mount.  A restart of the container binds the
+    new one.
+    """
+    gone = []
+    for path in paths:
+        try:
+            if os.stat(path).st_nlink == 0:
+                gone.append(path)
+        except OSError:
+            pass  # missing: the presence look says so
+    return tuple(gone)
+
+
 @implementer(IAdjuster)
 class Adjuster:
     """
@@ -155,13 +176,18 @@ class Adjuster:
         self.timer = timer
         #: What the host looked like last (L{_observe} logs each change once).
         self.last: HostState | None = None
+        #: The host paths the last look found removed since they were mounted
+        #: here (L{removed_since_mounted}): counted missing, and C{/healthz}
+        #: fails so that the kubelet restarts the container.
+        self.stale: tuple[str, ...] = ()
 
     def look(self) -> HostState:
         """The host's state now, each change logged once (L{HostCheck.check})."""
         if self._present is not None:
             state = HostState(missing=() if self._present() else (self.config.broker_dir,))
         else:
-            state = self.host.check()
+            self.stale = removed_since_mounted((self.config.broker_dir, self.config.lock_parent))
+            state = HostState(missing=self.stale) if self.stale else self.host.check()
         self._observe(state)
         return state
 
@@ -183,7 +209,13 @@ class Adjuster:
                 previous.repair_failure == state.repair_failure):
             return
         was_missing = previous.missing if previous is not None else ()
-        if state.missing:
+        if state.missing and self.stale:
+            self.log.warn(
+                "hostpid-nri: {missing} removed on the host since this container started: "
+                "GPU containers are created without the broker until it is restarted (its "
+                "/healthz fails, the kubelet restarts it and binds the host's new one)",
+                missing=" and ".join(self.stale), paths=list(self.stale))
+        elif state.missing:
             self.log.warn(
                 "hostpid-nri: {missing} missing on the host: GPU containers are created "
                 "without the broker until it exists (prepare the lock parent with "

@@ -9,6 +9,7 @@ that turning the gate on is a restart of the plugin and nothing else.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from typing import Any
@@ -30,7 +31,8 @@ from hostpid.version import VersionOption
 
 DEFAULT_SOCKET = "/var/run/nri/nri.sock"
 #: Seconds between two looks at the host (L{hostpid.nri.service.Adjuster.look})
-#: besides the one before each adjustment.
+#: besides the one before each adjustment: how soon C{/readyz}, which only
+#: reports the last look, follows a host that changed on an idle node.
 HOST_LOOK_INTERVAL = 10.0
 #: NRI's own rule for an index: two digits (containerd/nri
 #: C{pkg/api/plugin.go}, C{CheckPluginIndex}).
@@ -49,7 +51,7 @@ DRAIN = 1.0
 
 class Options(VersionOption, usage.Options):
     synopsis = ("[--nri-socket PATH | --nri-fd N] [--plugin-index NN] [--resource SIGNAL]... "
-                "[--metrics ENDPOINT] [--drain S]")
+                "[--metrics ENDPOINT] [--health ENDPOINT] [--drain S]")
     longdesc = (
         "Run the NRI plugin that gives every container with a GPU allocation the host PID "
         "broker's mounts (/tmp/vgpulock, then /tmp/vgpulock/hostpid read-only) and "
@@ -67,6 +69,14 @@ class Options(VersionOption, usage.Options):
          "Twisted endpoint string for /healthz, /readyz (configured by the runtime, and the "
          "lock parent, the broker directory and the broker mountpoint usable) and /metrics, "
          "e.g. tcp:9396:interface=127.0.0.1.  Off by default."],
+        ["health", None, None,
+         "Twisted endpoint string for /healthz and /readyz only, for an exec probe "
+         "(`hostpid nri-probe`) over a listener no other pod reaches, e.g. "
+         "tcp:9398:interface=127.0.0.1 in the plugin's pod.  Its own connection cap: a flood "
+         "of the --metrics port cannot evict a probe.  Off by default."],
+        ["host-look-interval", None, HOST_LOOK_INTERVAL,
+         "Seconds between two looks at the host besides the one at each GPU container's "
+         "creation (/readyz reports the last look, it never looks itself)."],
         ["lock-parent", None, defaults.LOCK_PARENT,
          "The host lock parent, mounted at /tmp/vgpulock."],
         ["broker-dir", None, defaults.BROKER_DIRECTORY,
@@ -101,28 +111,29 @@ class Options(VersionOption, usage.Options):
         self["resource"].append(value)
         self["signals"].extend(signals)
 
+    def seconds(self, name: str, low: float, high: float, above: bool = False) -> None:
+        """
+        Option C{name} as a number of seconds from C{low} (excluded when
+        C{above}) to C{high}, or a usage error naming both.
+        """
+        try:
+            value = float(self[name])
+        except ValueError:
+            value = math.nan
+        if not ((low < value) if above else (low <= value)) or not value <= high:
+            raise usage.UsageError(f"--{name} must be a number of seconds from {low:g} to "
+                                   f"{high:g}, got {self[name]!r}")
+        self[name] = value
+
     def postOptions(self) -> None:
         if not INDEX.fullmatch(self["plugin-index"] or ""):
             raise usage.UsageError(f"--plugin-index must be two digits (NRI's rule), "
                                    f"got {self['plugin-index']!r}")
         if not self["nri-socket"]:
             raise usage.UsageError("--nri-socket must name the runtime's NRI socket")
-        try:
-            timeout = float(self["registration-timeout"])
-        except ValueError:
-            timeout = -1.0
-        if not 0 < timeout <= 60:
-            raise usage.UsageError("--registration-timeout must be a number of seconds "
-                                   f"from 0 to 60, got {self['registration-timeout']!r}")
-        self["registration-timeout"] = timeout
-        try:
-            drain = float(self["drain"])
-        except ValueError:
-            drain = -1.0
-        if not 0 <= drain <= 30:
-            raise usage.UsageError("--drain must be a number of seconds from 0 to 30, "
-                                   f"got {self['drain']!r}")
-        self["drain"] = drain
+        self.seconds("registration-timeout", 0, 60, above=True)
+        self.seconds("drain", 0, 30)
+        self.seconds("host-look-interval", 1, 3600)
         if self["nri-fd"] is not None:
             from hostpid.nri.launched import inherited_socket_error
 
@@ -134,14 +145,16 @@ class Options(VersionOption, usage.Options):
             if error is not None:
                 raise usage.UsageError(f"--nri-fd: {error}: run this way only by the runtime "
                                        "(a file in its NRI plugin directory)")
-        if self["metrics"]:
-            from twisted.internet import reactor
+        for name in ("metrics", "health"):
+            if self[name]:
+                from twisted.internet import reactor
 
-            try:
-                self.metricsEndpoint = endpoints.serverFromString(reactor, self["metrics"])
-            except Exception as e:
-                raise usage.UsageError(f"--metrics {self['metrics']!r}: not a Twisted server "
-                                       f"endpoint string ({e})") from None
+                try:
+                    endpoint = endpoints.serverFromString(reactor, self[name])
+                except Exception as e:
+                    raise usage.UsageError(f"--{name} {self[name]!r}: not a Twisted server "
+                                           f"endpoint string ({e})") from None
+                setattr(self, f"{name}Endpoint", endpoint)
 
 
 def config_from(options: Options | dict[str, Any], environ: Any = None) -> Config:
@@ -293,16 +306,20 @@ def makeService(options: Options | dict[str, Any], reactor: Any = None) -> IServ
     client.setServiceParent(root)
     if config.gate:
         # The host looked at now and then, not only at a GPU container's
-        # creation: a missing lock parent is said (once) even on an idle node.
-        looker = TimerService(HOST_LOOK_INTERVAL, adjuster.look)
+        # creation: a missing lock parent is said (once) even on an idle node,
+        # and /readyz, which reports the last look, follows the host.
+        looker = TimerService(float(options.get("host-look-interval") or HOST_LOOK_INTERVAL),
+                              adjuster.look)
         looker.clock = reactor
         looker.setServiceParent(root)
-    if options.get("metrics"):
-        from hostpid.nri.health import health_site
+    for name, metered in (("metrics", True), ("health", False)):
+        if options.get(name):
+            from hostpid.nri.health import health_site
 
-        endpoint = getattr(options, "metricsEndpoint", None) or endpoints.serverFromString(
-            reactor, options["metrics"])
-        site = health_site(client, metrics, reactor,
-                           host=adjuster.look if config.gate else None)
-        HealthEndpointService(endpoint, site).setServiceParent(root)
+            endpoint = getattr(options, f"{name}Endpoint", None) or \
+                endpoints.serverFromString(reactor, options[name])
+            site = health_site(client, metrics if metered else None, reactor,
+                               host=(lambda: adjuster.last) if config.gate else None,
+                               stale=lambda: adjuster.stale)
+            HealthEndpointService(endpoint, site).setServiceParent(root)
     return root

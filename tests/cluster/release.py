@@ -89,7 +89,9 @@ class Paths:
         return {
             "broker": {"directory": str(self.broker_dir), "lockParent": str(self.lock_parent),
                        "cdi": {"enabled": True, "directory": str(self.cdi_dir)}},
-            "nri": {"socket": str(self.nri_socket),
+            # The lock parent is in this run's node root, not directly in /tmp: its
+            # directories are root's (tempfile's 0700 run directory, a 01777 tmp).
+            "nri": {"socket": str(self.nri_socket), "allowLockParentOutsideTmp": True,
                     "resources": ["nvidia.com/gpu", self.userns_gpu_signal()]},
         }
 

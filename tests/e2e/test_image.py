@@ -18,7 +18,9 @@ follows C{docs/image.md}.  Then, with the image:
   socket removed; the same probe then fails (it can fail);
 - the other commands the image carries answer: the webhook's and the NRI
   plugin's twistd plugins (as the chart's other DaemonSet and Deployment
-  run them) and C{hostpid --version};
+  run them), the NRI plugin's exec probe C{hostpid nri-probe}, and
+  C{hostpid --version}; the image's C{/tmp}, which the NRI plugin's
+  preparation walks above the lock parent it is given, is root's and sticky;
 - the image holds no compiler and no pip (the runtime stage installs from
   wheels only);
 - L{imagelib.project_image}, the Kubernetes tier's archive, names the image
@@ -231,6 +233,22 @@ def test_the_images_twistd_plugins_answer(
     result = run_in_image(podman, image, "twistd", plugin, "--help")
     assert result.returncode == 0, result.stdout + result.stderr
     assert option in result.stdout
+
+
+def test_the_nri_plugins_view_above_the_lock_parent(
+    podman: imagelib.Podman, image: str,
+) -> None:
+    """
+    The chart's NRI pod mounts the lock parent alone at its host path
+    (C{/tmp/vgpulock}); above it the plugin sees the image's own C{/tmp},
+    which its preparation walks and must find root's and sticky (else every
+    repair fails); and the image carries its exec probe, C{hostpid nri-probe}.
+    """
+    seen = run_in_image(podman, image, "stat", "-c", "%u %a", "/tmp")
+    assert seen.stdout.split() == ["0", "1777"], seen.stdout + seen.stderr
+    probe = run_in_image(podman, image, "hostpid", "nri-probe", "--address", "127.0.0.1:9398")
+    assert probe.returncode == 1, probe.stdout + probe.stderr
+    assert "127.0.0.1:9398/healthz" in probe.stderr, probe.stderr
 
 
 def test_the_image_carries_the_command_and_no_build_tools(

@@ -6,7 +6,7 @@ Why each check exists:
 
 - C{/readyz}: 200 only once the runtime has configured the plugin (it was
   200 after the registration alone, before the runtime had sent anything),
-  503 with the reason while the lock parent is missing, the missing lock
+  503 with the reason while the last look found the lock parent missing, the missing lock
   parent warned about once per change of state (not once per container),
   and once more when it is back.
 - The broker mountpoint: a symlink planted at C{<lock parent>/hostpid} is
@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from nrilib import FakeRuntime, NRIPluginProcess, container, gpu_container, http_get, pod
+from nrilib import FakeRuntime, NRIPluginProcess, container, gpu_container, host_tree, http_get, pod
 from support import WAIT_SECONDS, require_root, scaled, wait_for
 
 from hostpid.nri import api_pb2
@@ -42,10 +42,7 @@ FRAME_CAP = 4 * 1024 * 1024 - 256
 @pytest.fixture
 def where(tmp_path: Path) -> Path:
     require_root()
-    (tmp_path / "broker").mkdir()
-    (tmp_path / "tmp").mkdir(mode=0o755)
-    (tmp_path / "tmp" / "vgpulock").mkdir()
-    return tmp_path
+    return host_tree(tmp_path)
 
 
 def plugin(where: Path, lock_parent: Path | None = None) -> NRIPluginProcess:
@@ -72,17 +69,18 @@ def test_ready_only_once_configured_and_while_the_lock_parent_exists(where: Path
         wait_for(lambda: readyz(where)[0] == 200, "ready once configured")
 
         shutil.rmtree(lock_parent)
-        code, body = readyz(where)
-        assert code == 503 and f"missing on the host: {lock_parent}" in body, body
         for _ in range(3):
             assert connection.create_container(pod(), gpu_container()).adjust == \
                 api_pb2.ContainerAdjustment()
+        # /readyz reports the look each creation made (it never looks itself).
+        code, body = readyz(where)
+        assert code == 503 and f"missing on the host: {lock_parent}" in body, body
         assert process.metric("hostpid_nri_containers_total", reason="broker_absent") == 3
         assert process.output().count("missing on the host") == 1, process.output()
 
         lock_parent.mkdir()
-        wait_for(lambda: readyz(where)[0] == 200, "ready again")
         assert len(connection.create_container(pod(), gpu_container()).adjust.mounts) == 2
+        assert readyz(where)[0] == 200
         assert "exist again" in process.output()
         assert process.output().count("missing on the host") == 1
 
