@@ -106,7 +106,8 @@ def test_upgrade_from_an_earlier_chart_while_gpu_pods_query(
         print(f"\n[cluster] --reuse-values from {EARLIER}: {refused.value}")
         assert "missing property 'gate'" in str(refused.value)
 
-        release.upgrade("nri.gate=true", f"nri.allowLockParentOutsideTmp={str(outside_tmp).lower()}")
+        allowed = f"nri.allowLockParentOutsideTmp={str(outside_tmp).lower()}"
+        release.upgrade("nri.gate=true", allowed)
         print(release.rollout("daemonset", "hostpid-broker"))
         print(release.rollout("daemonset", "hostpid-nri"))
     finally:
