@@ -28,3 +28,13 @@ class PathRuleError(Exception):
 
     def __str__(self) -> str:
         return f"{self.prefix}{self.path}: {self.rule}"
+
+
+class MissingExtra(ImportError):
+    """
+    A part of the package needs a dependency that only one of its extras
+    installs, and it is missing or of an unusable version; the message names
+    the extra.  An C{ImportError}, so that importing that part fails as any
+    missing dependency does; C{twistd} says it in one line
+    (L{hostpid.servicemaker.ExtraServiceMaker}).
+    """

@@ -5,8 +5,14 @@ What keeps the suite inside CI's time budget and its timing tests honest.
    (default 300) stops the whole run with one line naming it, followed by
    every thread's traceback, so that a hang costs minutes and not CI's
    90.  A test that needs longer says so with C{@pytest.mark.cap(SECONDS)}
-   (the kernel guests do: their VMs have their own, larger timeouts).  The
-   cap counts from the test's setup to its teardown, fixtures included.
+   (the cluster tier does); one bounded by its own progress instead says
+   C{@pytest.mark.cap(None)} (the kernel guests: their VMs are capped by the
+   CPU time they use, tests/kernels/vm.py).  The cap counts from the test's
+   setup to its teardown, fixtures included, and grows with the machine's
+   load: when it is reached, the load is measured (tests/load.py) and the
+   run stops only if the test has also run past the cap times that factor,
+   so that a loaded machine slows a test without failing it, while a test
+   that hangs on a quiet one still stops at the cap.
    The watchdog is a thread, not C{SIGALRM}: the broker's own code and the
    tests' attackers use C{SIGALRM}, and an exception raised in the reactor's
    callbacks would be logged by Twisted rather than end the test.
@@ -23,8 +29,10 @@ import faulthandler
 import os
 import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
+import load
 import pytest
 
 #: Seconds one test may take (setup, call and teardown) before the run stops.
@@ -57,9 +65,14 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         )
 
 
-def cap_of(item: pytest.Item) -> float:
+def cap_of(item: pytest.Item) -> float | None:
+    """The test's cap in seconds, or C{None} for a test bounded by its own progress."""
     marker = item.get_closest_marker("cap")
-    return max(CAP, float(marker.args[0])) if marker is not None else CAP
+    if marker is None:
+        return CAP
+    if marker.args[0] is None:
+        return None
+    return max(CAP, float(marker.args[0]))
 
 
 def _stop(config: pytest.Config, nodeid: str, cap: float) -> None:
@@ -78,12 +91,43 @@ def _stop(config: pytest.Config, nodeid: str, cap: float) -> None:
     os._exit(STOPPED)
 
 
+class _Watchdog:
+    """
+    Stops the run once a test has run past its cap times the machine's load
+    factor, measured when the cap is reached (and again at each later check).
+    """
+
+    def __init__(self, config: pytest.Config, nodeid: str, cap: float,
+                 factor: Callable[[], float] = load.factor) -> None:
+        self._config, self._nodeid, self._cap, self._factor = config, nodeid, cap, factor
+        self._started = time.monotonic()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="hostpid-test-cap",
+                                        daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def cancel(self) -> None:
+        self._done.set()
+
+    def _watch(self) -> None:
+        allowed = self._cap
+        while not self._done.wait(allowed - (time.monotonic() - self._started)):
+            allowed = self._cap * self._factor()
+            if time.monotonic() - self._started >= allowed:
+                if not self._done.is_set():
+                    _stop(self._config, self._nodeid, self._cap)
+                return
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
     cap = cap_of(item)
-    watchdog = threading.Timer(cap, _stop, (item.config, item.nodeid, cap))
-    watchdog.daemon = True
-    watchdog.name = "hostpid-test-cap"
+    if cap is None:
+        yield
+        return
+    watchdog = _Watchdog(item.config, item.nodeid, cap)
     watchdog.start()
     try:
         yield

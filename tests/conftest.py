@@ -8,7 +8,6 @@ file must not import the reactor at module level.
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import tempfile
 import time
@@ -150,7 +149,23 @@ def public_tmp() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="hostpid-test-", dir="/tmp"))
     path.chmod(0o755)
     yield path
-    shutil.rmtree(path, ignore_errors=True)
+    from support import remove_tree
+
+    remove_tree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def immutable_mountpoints_released(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """
+    Clear, at the end of the session, the immutable attribute of every broker
+    mountpoint a test prepared below pytest's temporary directories, so that
+    pytest can remove them in a later run (it ignores what it cannot remove,
+    and an immutable directory would stay in C{/tmp} for good).
+    """
+    yield
+    from support import release_immutable
+
+    release_immutable(tmp_path_factory.getbasetemp())
 
 
 @pytest.fixture(scope="session")

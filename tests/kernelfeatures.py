@@ -245,6 +245,38 @@ def probe_idmapped_mounts() -> tuple[bool, str]:
         os.rmdir(directory)
 
 
+def probe_immutable_tmp() -> tuple[bool, str]:
+    """
+    The immutable attribute (C{FS_IOC_SETFLAGS} with C{FS_IMMUTABLE_FL}) on a
+    directory in the temporary directory, where the tests prepare lock
+    parents and their broker mountpoints: ext4, xfs and btrfs have it, tmpfs
+    from Linux 6.0 (the guests' C{/tmp} on 5.10 has not).  Set, read back and
+    cleared on a fresh directory; needs root (C{CAP_LINUX_IMMUTABLE}).
+    """
+    import tempfile
+
+    from hostpid import fileattr
+
+    directory = tempfile.mkdtemp(prefix="hostpid-immutable-probe-")
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        try:
+            flags = fileattr.get_flags(fd)
+            fileattr._set_flags(fd, flags | fileattr.FS_IMMUTABLE_FL)
+        except OSError as error:
+            _absent_if(error, errno.ENOTTY, errno.EOPNOTSUPP)
+            return False, f"ioctl FS_IOC_SETFLAGS: {errno.errorcode[error.errno or 0]}"
+        set_ = fileattr.is_immutable(fd)
+        fileattr.clear_immutable(fd)
+        kind = fileattr._filesystem(fd) or "?"
+        if not set_:
+            return False, f"{kind}: the flag does not stick"
+        return True, f"{kind}: set, read back and cleared"
+    finally:
+        os.close(fd)
+        os.rmdir(directory)
+
+
 #: Every feature a test may name, with its probe.
 PROBES: dict[str, Callable[[], tuple[bool, str]]] = {
     "SO_PASSRIGHTS": probe_so_passrights,
@@ -255,6 +287,7 @@ PROBES: dict[str, Callable[[], tuple[bool, str]]] = {
     "pidfd_send_signal": probe_pidfd_send_signal,
     "PIDFD_GET_INFO": probe_pidfd_get_info,
     "idmapped_mounts": probe_idmapped_mounts,
+    "immutable_tmp": probe_immutable_tmp,
 }
 
 _probed: dict[str, Probe] = {}

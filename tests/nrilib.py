@@ -302,14 +302,12 @@ def host_tree(root: Path) -> Path:
 def unfreeze(path: Path) -> None:
     """
     Clear the immutable attribute below C{path} (where preparation sets one on
-    the broker mountpoint) so that root can remove what the plugin made.
+    the broker mountpoint) so that root can remove what the plugin made
+    (L{support.release_immutable}).
     """
-    import shutil
-    import subprocess
+    from support import release_immutable
 
-    chattr = shutil.which("chattr")
-    if chattr is not None:
-        subprocess.run([chattr, "-R", "-i", str(path)], capture_output=True, check=False)
+    release_immutable(path)
 
 
 def http_get(path: Path | str, target: str, timeout: float = 5.0) -> tuple[int, str]:

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+import load
 import pytest
 
 from hostpid import defaults, wire
@@ -74,18 +75,62 @@ def require_tool(name: str) -> str:
     return path
 
 
+def release_immutable(path: Path | str) -> None:
+    """
+    Clear the immutable attribute on every directory below C{path} (never
+    following a link): a prepared broker mountpoint carries it
+    (L{hostpid.fileattr}), and neither C{rmtree} nor C{rm -rf} can
+    remove an immutable directory.  Best effort: what cannot be opened or
+    cleared is left for the removal to report.
+    """
+    from hostpid import fileattr
+
+    for top, directories, _ in os.walk(path, topdown=False, followlinks=False):
+        for name in [*directories, ""]:
+            try:
+                fd = os.open(os.path.join(top, name) if name else top,
+                             os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK
+                             | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                fileattr.clear_immutable(fd)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
+
+def remove_tree(path: Path | str, ignore_errors: bool = False) -> None:
+    """C{shutil.rmtree} of a tree that may hold a prepared, immutable broker mountpoint."""
+    release_immutable(path)
+    shutil.rmtree(path, ignore_errors=ignore_errors)
+
+
 def wait_for(
     condition: Callable[[], object], what: str, timeout: float = WAIT_SECONDS
 ) -> object:
-    """Poll C{condition} until it returns something true, failing after C{timeout}."""
-    deadline = time.monotonic() + timeout
+    """
+    Poll C{condition} until it returns something true, failing after
+    C{timeout} times the machine's load: when C{timeout} has passed, the load
+    is measured once (tests/load.py) and the wait goes on until C{timeout}
+    times that factor, so that a loaded machine slows what is awaited
+    without failing the wait (on a quiet one the factor is 1).
+    """
+    started = time.monotonic()
+    allowed, factor = timeout, None
     delay = 0.001
     while True:
         value = condition()
         if value:
             return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        if time.monotonic() - started > allowed:
+            if factor is None:
+                factor = load.factor()
+                allowed = timeout * factor
+                continue
+            loaded = f" (times the load factor {factor:g})" if factor != 1 else ""
+            raise AssertionError(f"timed out after {timeout}s{loaded} waiting for {what}")
         time.sleep(delay)
         delay = min(delay * 2, 0.05)
 

@@ -1,8 +1,9 @@
 """
 The suite's own budget rules (tests/budget.py), run in a real pytest of
 their own: a test past its cap stops the run with one line naming it, a
-test marked with a larger cap is left alone, and C{HOSTPID_REPEAT=N} runs
-each test N times.
+test marked with a larger cap is left alone, a test on a loaded machine
+(busy processes on every core, measured by tests/load.py) gets its cap
+times the load, and C{HOSTPID_REPEAT=N} runs each test N times.
 """
 
 from __future__ import annotations
@@ -24,6 +25,24 @@ def test_hangs():
 @pytest.mark.cap(30)
 def test_may_take_longer():
     time.sleep(1.5)
+"""
+
+SLOWED = """
+import os, subprocess, sys, time
+
+def test_slowed_by_the_load():
+    # One busy process per core at a lower niceness, in this session's
+    # scheduling group, while the test runs; killed with this pytest even when
+    # its cap stops it (os._exit runs no finally).
+    hogs = [subprocess.Popen(["setpriv", "--pdeathsig", "KILL", "nice", "-n", "-10",
+                              sys.executable, "-c", "while True: pass"])
+            for _ in range(os.cpu_count() or 1)]
+    try:
+        time.sleep(3)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
 """
 
 COUNTS = """
@@ -75,3 +94,13 @@ def test_repeat_runs_each_test_that_many_times(tmp_path: Path) -> None:
     assert run.returncode == 0, (run.stdout, run.stderr)
     assert count.read_text() == "xxx"
     assert "PASSED test_subject.py::test_counted[repeat-3-of-3]" in run.stdout
+
+
+def test_a_loaded_machine_stretches_the_cap(tmp_path: Path) -> None:
+    # The test loads every core while it runs: the load probe gets about a
+    # tenth of a core, so the cap of 1 s becomes about 10 s, past the 3 s the
+    # test takes (a test that hangs on a quiet machine stops at its cap, as
+    # the one above).
+    run = _pytest(tmp_path, SLOWED, HOSTPID_TEST_CAP="1")
+    assert run.returncode == 0, (run.returncode, run.stdout, run.stderr)
+    assert "1 passed" in run.stdout

@@ -351,7 +351,7 @@ def test_updates_surge_first_with_the_handover() -> None:
     """
     ds = by_kind(render(), "DaemonSet")
     assert ds["spec"]["updateStrategy"] == {
-        "type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+        "type": "RollingUpdate", "rollingUpdate": {"maxSurge": "10%", "maxUnavailable": 0},
     }
     container = broker_container(ds)
     argv = container_argv(container)

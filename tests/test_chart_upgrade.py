@@ -243,8 +243,8 @@ def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_every_earlier_state_is_kept() -> None:
-    """19 states of values.yaml before chart 0.2.0, 5 of them the old namespace layout."""
-    assert len(FIXTURES) == 19
+    """20 states of values.yaml before chart 0.2.0, 5 of them the old namespace layout."""
+    assert len(FIXTURES) == 20
     assert sum(old_layout(f) for f in FIXTURES) == 5
 
 
@@ -306,7 +306,7 @@ def test_the_old_flag_fails_from_earlier_states(scratch: Path) -> None:
             if outcome.error is not None:
                 failed[fixture.stem] = outcome.error
                 break  # one failing documented command is the operator's failed upgrade
-    # 13 of the 19 when this was written: every state before the NRI plugin's gate value.
+    # 13 of the 20 when this was written: every state before the NRI plugin's gate value.
     assert len(failed) >= 11, sorted(failed)
     assert {f.stem for f in FIXTURES if old_layout(f)} <= set(failed), \
         "every state of the old namespace layout fails its migration with --reuse-values"

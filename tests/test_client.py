@@ -37,6 +37,7 @@ from support import (
     WAIT_SECONDS,
     BrokerProcess,
     open_fd_count,
+    remove_tree,
     require_root,
     running_broker,
     subprocess_env,
@@ -79,7 +80,6 @@ def c_client(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def other_uid_tmp() -> Iterator[Path]:
     """A directory under /tmp that UID 1000 can reach and write."""
-    import shutil
     import tempfile
 
     path = Path(tempfile.mkdtemp(prefix="hostpid-client-"))
@@ -87,7 +87,7 @@ def other_uid_tmp() -> Iterator[Path]:
     try:
         yield path
     finally:
-        shutil.rmtree(path, ignore_errors=True)
+        remove_tree(path, ignore_errors=True)
 
 
 # --- The policy value. ---

@@ -24,6 +24,13 @@ systemd"), performed as written in a fresh root, and the unit as installed.
   for C{protobuf<7}), installing the package keeps protobuf 6 (it once
   upgraded it to 7 and broke C{pip check}), and the NRI plugin's messages
   load and round-trip on that 6 and, in the same environment, on 7.
+- The base install requires no protobuf (only the NRI plugin uses it, through
+  the C{nri} extra): into a fresh environment, offline from the wheels of
+  L{wheelhouse}, it installs none; it resolves beside an agent that pins
+  protobuf 4 (opentelemetry-proto 1.27) or 5 and leaves that protobuf as it
+  is, C{pip check} clean (it once required protobuf 6.30 or newer:
+  C{ResolutionImpossible}); there C{twistd hostpid-nri} stops with one line
+  naming the extra, and with the extra installed it runs.
 - The C{hostpid} command: a plain script on the environment's C{PATH} whose
   C{#!} names the environment's interpreter; C{hostpid probe} run as the
   kubelet runs it loads no C{re} (pip's console-script wrapper did) nor any
@@ -44,6 +51,7 @@ from pathlib import Path
 
 import attrs
 import pytest
+import wheelhouse
 from support import (
     REPO,
     WAIT_SECONDS,
@@ -413,3 +421,90 @@ def test_the_install_keeps_an_agents_protobuf_6(installed: Installed,
     seven = run(*pip, "install", "protobuf>=7,<8")
     assert seven.returncode == 0, seven.stderr
     assert protobuf_after_smoke().startswith("7.")
+
+
+@attrs.frozen
+class Offline:
+    """This tree's wheel and the dependencies' wheels: installs with C{--no-index}."""
+
+    wheel: Path
+    dependencies: Path
+
+    def pip(self, venv: Path) -> list[str]:
+        return [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"),
+                "--disable-pip-version-check", "-q"]
+
+    def install(self, venv: Path, *requirements: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*self.pip(venv), "install", "--no-index", "--find-links", str(self.dependencies),
+             *requirements], capture_output=True, text=True, timeout=600, env=clean_env())
+
+
+def clean_env() -> dict[str, str]:
+    return {key: value for key, value in os.environ.items()
+            if key not in ("PYTHONPATH", "PIP_FIND_LINKS")}
+
+
+@pytest.fixture(scope="module")
+def offline(installed: Installed, tmp_path_factory: pytest.TempPathFactory) -> Offline:
+    """The documented install's checkout as a wheel, beside the cached dependencies."""
+    try:
+        dependencies = wheelhouse.dependencies()
+    except subprocess.CalledProcessError as error:
+        skip_or_fail(f"the dependencies' wheels could not be downloaded: {error.stderr[-2000:]}")
+    out = tmp_path_factory.mktemp("wheel")
+    return Offline(wheelhouse.package_wheel(installed.root / "src" / "hostpid", out), dependencies)
+
+
+def fresh_environment(path: Path) -> Path:
+    """A bare environment of the documented install's interpreter (pip runs from outside)."""
+    subprocess.run([str(system_python()), "-m", "venv", "--without-pip", str(path)],
+                   check=True, timeout=120)
+    return path
+
+
+def run_in(venv: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(venv / "bin" / argv[0]), *argv[1:]], capture_output=True,
+                          text=True, timeout=120, cwd=venv, env=clean_env())
+
+
+def protobuf_version(venv: Path) -> str | None:
+    done = run_in(venv, "python", "-c", "import google.protobuf as p; print(p.__version__)")
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def test_the_base_install_has_no_protobuf_and_twistd_names_the_extra(
+        offline: Offline, tmp_path: Path) -> None:
+    from hostpid import nri
+
+    venv = fresh_environment(tmp_path / "venv")
+    done = offline.install(venv, str(offline.wheel))
+    assert done.returncode == 0, done.stderr
+    assert protobuf_version(venv) is None
+    check = subprocess.run([*offline.pip(venv), "check"], capture_output=True, text=True,
+                           timeout=120, env=clean_env())
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert run_in(venv, "twistd", "hostpid-broker", "--version").returncode == 0
+    missing = run_in(venv, "twistd", "hostpid-nri", "--help")
+    assert missing.returncode == 1
+    assert missing.stderr.splitlines() == [
+        "twistd hostpid-nri: " + nri.protobuf_problem(None)], missing.stderr
+    assert "'nri' extra" in missing.stderr
+    # With the extra, the plugin runs.
+    done = offline.install(venv, f"{offline.wheel}[nri]")
+    assert done.returncode == 0, done.stderr
+    present = run_in(venv, "twistd", "hostpid-nri", "--help")
+    assert present.returncode == 0, present.stderr
+
+
+@pytest.mark.parametrize(("pin", "major"), [
+    ("opentelemetry-proto==1.27.0", "4."), ("protobuf>=5.29,<6", "5.")])
+def test_the_base_install_keeps_an_older_protobuf_pin(
+        offline: Offline, tmp_path: Path, pin: str, major: str) -> None:
+    venv = fresh_environment(tmp_path / "venv")
+    done = offline.install(venv, pin, str(offline.wheel))
+    assert done.returncode == 0, done.stderr
+    assert (protobuf_version(venv) or "").startswith(major), protobuf_version(venv)
+    check = subprocess.run([*offline.pip(venv), "check"], capture_output=True, text=True,
+                           timeout=120, env=clean_env())
+    assert check.returncode == 0, check.stdout + check.stderr

@@ -6,7 +6,10 @@ Layers, bottom up:
 
   - shared: C{wire}, C{gate}, C{peercred}, C{starttime}, C{defaults}, C{errors}, C{logs},
     C{version}, C{values}, C{boundedhttp} (the HTTP bounds of the broker's
-    metrics server and of the webhook);
+    metrics server and of the webhook), C{servicemaker} (the twistd plugin
+    whose part lacks its extra says so in one line), C{fileattr} (the immutable
+    attribute of the broker mountpoint, which the allocation side and the NRI
+    plugin set and the broker's watch reads);
     they import no side (C{values} nothing of the project at all, and C{wire}
     nothing but C{values});
   - sides: C{broker}, C{client}, C{node}, C{admission}, C{nri}; each imports
@@ -38,7 +41,7 @@ from support import REPO
 PACKAGE = REPO / "hostpid"
 SHARED = {
     "wire", "gate", "peercred", "ucred", "starttime", "defaults", "errors", "logs", "version",
-    "values", "boundedhttp",
+    "values", "boundedhttp", "servicemaker", "fileattr",
 }
 SIDES = {"broker", "client", "node", "admission", "nri"}
 TOP = {"", "cli", "testing", "tap", "allocation"}

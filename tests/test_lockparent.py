@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import cast
 
 import pytest
-from support import hostpid_argv, require_root, subprocess_env
+from kernelfeatures import kernel_feature
+from support import as_user_argv, hostpid_argv, release_immutable, require_root, subprocess_env
 from twisted.logger import ILogObserver, globalLogPublisher
 
+from hostpid import fileattr
 from hostpid.node.lockparent import (
     BUILD_PREFIX,
     MARKER_NAME,
@@ -91,6 +93,14 @@ def assert_lock_parent(path: Path) -> None:
     assert stat.S_ISDIR(st.st_mode)
     assert st.st_uid == 0
     assert stat.S_IMODE(st.st_mode) == 0o1777
+
+
+def is_immutable(path: Path) -> bool:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        return fileattr.is_immutable(fd)
+    finally:
+        os.close(fd)
 
 
 def assert_mountpoint(path: Path) -> None:
@@ -322,10 +332,11 @@ def test_steps_are_reported_in_order(tree: Path) -> None:
         "lock-parent-mode-set",
         "mountpoint-built",
         "mountpoint-placed",
+        "mountpoint-sealed",
     ]
     seen.clear()
     prepare(tree, broker_enabled=True, between_steps=seen.append)
-    assert seen[-2:] == ["mountpoint-opened", "mountpoint-mode-set"]
+    assert seen[-3:] == ["mountpoint-opened", "mountpoint-mode-set", "mountpoint-sealed"]
 
 
 # The broker mountpoint ----------------------------------------------------
@@ -457,6 +468,7 @@ def test_planted_mountpoint_untouched_when_disabled(planted_tree: Path, case: st
 def test_root_owned_mountpoint_with_wrong_mode_restored(tree: Path) -> None:
     prepare(tree, broker_enabled=True)
     mountpoint = tree / "vgpulock" / "hostpid"
+    release_immutable(mountpoint)  # only root with CAP_LINUX_IMMUTABLE can chmod it
     os.chmod(mountpoint, 0o777)
     inode = os.stat(mountpoint).st_ino
     prepared = prepare(tree, broker_enabled=True)
@@ -467,42 +479,72 @@ def test_root_owned_mountpoint_with_wrong_mode_restored(tree: Path) -> None:
     assert os.stat(mountpoint).st_ino == inode
 
 
+@kernel_feature("immutable_tmp")
 def test_mountpoint_replaced_after_placement_is_detected(tree: Path) -> None:
-    """Only root can replace the placed directory; the final check still sees it."""
+    """
+    The placed directory is replaced before its immutable attribute is set
+    (a rename in a 0777 lock parent can do that): the check after the flag
+    sees it, the directory moved away loses the flag again (it is no longer
+    the mountpoint), and the preparation tries again: the directory now
+    there is kept and made immutable.
+    """
     mountpoint = tree / "vgpulock" / "hostpid"
+    aside = tree / "vgpulock" / "aside"
+    seen: list[str] = []
 
     def hook(step: str) -> None:
-        if step == "mountpoint-placed":
-            os.rename(mountpoint, tree / "vgpulock" / "aside")
+        seen.append(step)
+        if step == "mountpoint-placed" and not aside.exists():
+            os.rename(mountpoint, aside)
             os.mkdir(mountpoint, 0o755)
 
-    with pytest.raises(LockParentError) as caught:
-        prepare(tree, broker_enabled=True, between_steps=hook)
-    assert caught.value.path == str(mountpoint)
-    assert "changed while prepared" in caught.value.rule
+    prepared = prepare(tree, broker_enabled=True, between_steps=hook)
+    assert seen.count("mountpoint-sealed") == 2, seen
+    assert_mountpoint(mountpoint)
+    assert prepared.mountpoint_inode == os.stat(mountpoint).st_ino
+    assert is_immutable(mountpoint) and prepared.mountpoint_immutable
+    assert not is_immutable(aside)
+    os.rmdir(aside)
 
 
+@kernel_feature("immutable_tmp")
 def test_mountpoint_mode_changed_after_placement_is_detected(tree: Path) -> None:
+    """A mode changed between the placement and the flag is seen, and restored."""
     mountpoint = tree / "vgpulock" / "hostpid"
+    changed: list[int] = []
 
     def hook(step: str) -> None:
-        if step == "mountpoint-placed":
+        if step == "mountpoint-placed" and not changed:
             os.chmod(mountpoint, 0o777)
+            changed.append(os.stat(mountpoint).st_ino)
 
-    with pytest.raises(LockParentError, match="changed while prepared: mode is 0777"):
-        prepare(tree, broker_enabled=True, between_steps=hook)
+    prepared = prepare(tree, broker_enabled=True, between_steps=hook)
+    assert [(r.found, r.mode, r.action) for r in prepared.repairs] == [
+        ("directory", 0o777, "mode restored")]
+    assert_mountpoint(mountpoint)
+    assert changed == [os.stat(mountpoint).st_ino] and is_immutable(mountpoint)
 
 
+@kernel_feature("immutable_tmp")
 def test_adopted_mountpoint_mode_changed_after_chmod_is_detected(tree: Path) -> None:
+    """
+    Root (with CAP_LINUX_IMMUTABLE: nobody else can) clears the flag and
+    changes the mode between the restore and the flag: seen, and restored.
+    """
     prepare(tree, broker_enabled=True)
     mountpoint = tree / "vgpulock" / "hostpid"
+    changed: list[str] = []
 
     def hook(step: str) -> None:
-        if step == "mountpoint-mode-set":
+        if step == "mountpoint-mode-set" and not changed:
+            release_immutable(mountpoint)
             os.chmod(mountpoint, 0o777)
+            changed.append(step)
 
-    with pytest.raises(LockParentError, match="changed while prepared: mode is 0777"):
-        prepare(tree, broker_enabled=True, between_steps=hook)
+    prepared = prepare(tree, broker_enabled=True, between_steps=hook)
+    assert changed and [r.action for r in prepared.repairs] == ["mode restored"]
+    assert_mountpoint(mountpoint)
+    assert is_immutable(mountpoint)
 
 
 @pytest.mark.parametrize("planted", ["symlink", "directory"])
@@ -565,6 +607,7 @@ def test_removed_mountpoint_is_reported(tree: Path) -> None:
     (only root can remove it), is reported and counted when it is made again.
     """
     prepare(tree, broker_enabled=True)
+    release_immutable(tree / "vgpulock" / "hostpid")
     os.rmdir(tree / "vgpulock" / "hostpid")
     events: list[dict[str, object]] = []
     observer = cast(ILogObserver, events.append)
@@ -574,11 +617,14 @@ def test_removed_mountpoint_is_reported(tree: Path) -> None:
     finally:
         globalLogPublisher.removeObserver(observer)
     assert [r.found for r in prepared.repairs] == ["missing mountpoint"]
-    assert prepared.describe_repairs() == [
+    lines = prepared.describe_repairs()
+    assert lines[0] == (
         f"repaired {tree / 'vgpulock' / 'hostpid'}: it was missing although an earlier "
         "allocation made it; made again (it had been removed since an earlier allocation "
         "made it)"
-    ]
+    )
+    # And, on a filesystem without the immutable attribute, one line that says so.
+    assert len(lines) == (1 if prepared.mountpoint_immutable else 2), lines
     assert [e["found"] for e in events if e.get("log_namespace") == "hostpid.lockparent"] == [
         "missing mountpoint"
     ]
@@ -705,3 +751,58 @@ def test_racing_planter_never_fails_an_allocation(tree: Path, kind: str) -> None
           f"quarantined per allocation: {quarantined}")
     assert failures == []
     assert max(quarantined) <= 1
+
+
+# A non-root run --------------------------------------------------------------
+
+
+def _run_cli_as(uid: int, *args: str, gate: str) -> subprocess.CompletedProcess[str]:
+    """C{hostpid ARGS} run by a real process of C{uid} (L{support.as_user_argv})."""
+    env = subprocess_env({"LIBVGPU_HOSTPID_BROKER": gate})
+    return subprocess.run(as_user_argv(uid, hostpid_argv(*args)), env=env,
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_non_root_prepare_creates_nothing_and_says_how_to_recover(tree: Path) -> None:
+    """
+    A UID 1000 C{hostpid prepare-lock-parent} where the lock parent does not
+    exist yet, in a C{/tmp}-like 01777 directory it can write: it must not
+    create it (a lock parent owned by that user is refused by root's
+    preparation and by a broker with C{--cdi-dir} from then on), and its
+    error says to run it as root.  Root's preparation then succeeds.
+    """
+    os.chmod(tree, 0o1777)
+    lock_parent = tree / "vgpulock"
+    refused = _run_cli_as(WORKLOAD_UID, "prepare-lock-parent", "--path", str(lock_parent),
+                          gate="1")
+    assert refused.returncode == 1 and refused.stdout == "", refused
+    assert not lock_parent.exists(), f"created by UID 1000: {os.lstat(lock_parent)}"
+    assert refused.stderr.count("\n") == 1, refused.stderr
+    assert f"{lock_parent}: does not exist, and this process runs as UID {WORKLOAD_UID}" \
+        in refused.stderr, refused.stderr
+    assert "run `hostpid prepare-lock-parent` as UID 0 (root)" in refused.stderr
+    prepared = _run_cli("prepare-lock-parent", "--path", str(lock_parent), gate="1")
+    assert prepared.returncode == 0, prepared.stderr
+    assert_lock_parent(lock_parent)
+    assert_mountpoint(lock_parent / "hostpid")
+    # Prepared, it can be checked by anyone: exit 0, nothing changed.
+    before = identity(lock_parent)
+    checked = _run_cli_as(WORKLOAD_UID, "prepare-lock-parent", "--path", str(lock_parent),
+                          gate="1")
+    assert checked.returncode == 0, checked.stderr
+    assert identity(lock_parent) == before
+
+
+def test_a_lock_parent_owned_by_a_user_names_the_recovery(tree: Path) -> None:
+    """
+    A lock parent a non-root run made before (an older release did) is left
+    untouched, and root's refusal says how to recover: move it aside.
+    """
+    os.mkdir(tree / "vgpulock", 0o755)
+    os.chown(tree / "vgpulock", WORKLOAD_UID, WORKLOAD_UID)
+    result = _run_cli("prepare-lock-parent", "--path", str(tree / "vgpulock"), gate="1")
+    assert result.returncode == 1, result
+    lock_parent = tree / "vgpulock"
+    assert f"is owned by UID {WORKLOAD_UID}, not the trusted UID 0" in result.stderr
+    assert f"mv {lock_parent} {lock_parent}.uid{WORKLOAD_UID}" in result.stderr, result.stderr
+    assert os.lstat(lock_parent).st_uid == WORKLOAD_UID and not (lock_parent / "hostpid").exists()

@@ -83,7 +83,7 @@ def test_plugin_daemonset_shape() -> None:
                                         "nri.resources[0]=device:/dev/dri/renderD*",
                                         "nri.pluginIndex=95")))
     ds = plugin_daemonset(docs)
-    assert ds["spec"]["updateStrategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
+    assert ds["spec"]["updateStrategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": "10%"}
     spec = ds["spec"]["template"]["spec"]
     assert spec["hostPID"] is False and spec["hostNetwork"] is False
     container, standby = spec["containers"]
@@ -102,7 +102,9 @@ def test_plugin_daemonset_shape() -> None:
     assert args[args.index("--broker-dir") + 1] == "/var/run/hami/hostpid"
     assert {"name": "LIBVGPU_HOSTPID_BROKER", "value": "1"} in container["env"]
     security = container["securityContext"]
-    assert security["runAsUser"] == 0 and security["capabilities"] == {"drop": ["ALL"]}
+    # One capability: the broker mountpoint is made immutable (docs/security.md).
+    assert security["runAsUser"] == 0 and security["capabilities"] == {
+        "drop": ["ALL"], "add": ["LINUX_IMMUTABLE"]}
     assert security["allowPrivilegeEscalation"] is False and security["privileged"] is False
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
     assert set(mounts) == {"/var/run/nri", "/var/run/hami/hostpid", "/tmp/vgpulock"}

@@ -115,6 +115,12 @@ def device_at(path: str, kind: str, major: int, minor: int) -> api_pb2.Container
     # default runtime handler allows it): FUSE's 10:229 at a GPU's path.
     pytest.param(device_at("/dev/nvidia0", "c", 10, 229), id="annotated-device-at-gpu-path"),
     pytest.param(device_at("/dev/nvidia0", "b", 195, 0), id="block-device-at-gpu-path"),
+    # NVIDIA's control nodes share the GPUs' major: nvidiactl 195:255 and
+    # nvidia-modeset 195:254 at a GPU's path are no GPU (a runtime allowing
+    # them through an annotation would hand them to a pod that has none).
+    pytest.param(device_at("/dev/nvidia0", "c", 195, 255), id="nvidiactl-at-gpu-path"),
+    pytest.param(device_at("/dev/nvidia0", "c", 195, 254), id="modeset-at-gpu-path"),
+    pytest.param(device_at("/dev/nvidia7", "c", 195, 4096), id="minor-beyond-gpus"),
     pytest.param(container(env=["NVIDIA_VISIBLE_DEVICES=all", "LIBVGPU_HOSTPID_BROKER=1",
                                 "CUDA_VISIBLE_DEVICES=0"]), id="env"),
     pytest.param(container(annotations={"cdi.k8s.io/x": "nvidia.com/gpu=0"}),
@@ -131,6 +137,13 @@ def device_at(path: str, kind: str, major: int, minor: int) -> api_pb2.Container
 def test_forged_signals_get_nothing(ctr: api_pb2.Container) -> None:
     decision = decide(FORGED, ctr, CONFIG)
     assert decision.reason == NOT_QUALIFYING and decision.empty
+
+
+@pytest.mark.parametrize("minor", [0, 7, 253])
+def test_every_gpu_minor_qualifies(minor: int) -> None:
+    """195:0 to 195:253 are GPUs, whichever number the container path carries."""
+    decision = decide(pod(), device_at("/dev/nvidia0", "c", 195, minor), CONFIG)
+    assert decision.reason == ADJUSTED and decision.detail == "GPU allocation: device /dev/nvidia0"
 
 
 def test_gate_replaced_when_not_exactly_one() -> None:

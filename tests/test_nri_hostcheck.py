@@ -17,23 +17,34 @@ Why each check exists:
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from kernelfeatures import kernel_feature
 from nrilib import gpu_container, pod
-from support import require_root
+from support import require_root, require_tool, subprocess_env
+from test_lockparent import WORKLOAD_UID, run_as
 from twisted.internet import defer
 from twisted.internet.error import ConnectError
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.testing import MemoryReactor
 from twisted.logger import capturedLogs
 
+from hostpid.node import renameat
 from hostpid.nri import api_pb2
 from hostpid.nri.decision import Config
 from hostpid.nri.hostcheck import HostCheck
 from hostpid.nri.service import Adjuster, NRIMetrics
 from hostpid.nri.tap import SocketEndpoint
+
+#: The NRI plugin gives a GPU container the broker only on a broker mountpoint it could make
+#: immutable: where /tmp's filesystem has no such attribute, these tests say so by name.
+pytestmark = kernel_feature("immutable_tmp")
 
 
 @pytest.fixture
@@ -79,7 +90,129 @@ def test_sound_mountpoint_is_not_touched(tree: Path) -> None:
     calls = []
     host.prepare = lambda *a, **k: calls.append(a)  # type: ignore[assignment,misc]
     state = host.check()
-    assert state == type(state)() and calls == []
+    assert state == type(state)(immutable=True) and calls == []
+
+
+def test_mountpoint_writable_by_others_is_not_sound(tree: Path) -> None:
+    """
+    A root-owned mountpoint of mode 0777 (left by root, or by an older
+    preparation) is not sound: another user could put entries in it, below
+    the broker mount's source.  It is restored to 0755, and counted.
+    """
+    entry = tree / "tmp" / "vgpulock" / "hostpid"
+    entry.mkdir()
+    os.chmod(entry, 0o777)
+    state = check(tree).check()
+    assert [(r.found, r.mode, r.action) for r in state.repairs] == [
+        ("directory", 0o777, "mode restored")], state
+    assert os.stat(entry).st_mode & 0o7777 == 0o755
+    assert state.immutable and not state.mountpoint_problem
+
+
+@pytest.fixture
+def public_tree(public_tmp: Path) -> Path:
+    """L{tree} where a UID 1000 process can reach the lock parent."""
+    require_root()
+    (public_tmp / "tmp").mkdir(mode=0o755)
+    (public_tmp / "tmp" / "vgpulock").mkdir()
+    os.chmod(public_tmp / "tmp" / "vgpulock", 0o1777)
+    (public_tmp / "broker").mkdir()
+    return public_tmp
+
+
+def test_a_tenant_cannot_move_the_checked_mountpoint_in_a_0777_lock_parent(
+        public_tree: Path) -> None:
+    """
+    What HAMi's device plugin does on every allocation (the lock parent 0777,
+    no sticky bit) between the plugin's look and the runtime's mount: a UID
+    1000 process then tries to rename the entry away, remove it, rename its
+    own entry over it and exchange the two.  The kernel refuses each (the
+    entry is immutable), so the entry the plugin checked is the one mounted,
+    and a running container's broker mount cannot be detached.
+    """
+    lock_parent = public_tree / "tmp" / "vgpulock"
+    host = HostCheck(str(lock_parent), str(public_tree / "broker"))
+    state = host.check()
+    assert not state.missing and not state.mountpoint_problem, state
+    entry = lock_parent / "hostpid"
+    before = os.lstat(entry)
+    os.chmod(lock_parent, 0o777)
+
+    def tenant() -> None:
+        os.symlink("/etc", lock_parent / "planted")
+        attempts: dict[str, Callable[[], object]] = {
+            "rename away": lambda: os.rename(entry, lock_parent / "moved"),
+            "rmdir": lambda: os.rmdir(entry),
+            "rename over": lambda: os.rename(lock_parent / "planted", entry),
+            "exchange": lambda: renameat.renameat2(
+                "planted", "hostpid", dir_fd=os.open(lock_parent, os.O_RDONLY),
+                flags=renameat.RENAME_EXCHANGE),
+        }
+        for name, attempt in attempts.items():
+            try:
+                attempt()
+            except PermissionError:
+                continue
+            raise AssertionError(f"a UID 1000 tenant could {name} the broker mountpoint")
+
+    run_as(WORKLOAD_UID, tenant)
+    after = os.lstat(entry)
+    assert (after.st_dev, after.st_ino) == (before.st_dev, before.st_ino)
+    assert not host.check().mountpoint_problem
+
+
+#: Run as root without CAP_LINUX_IMMUTABLE (as a chart whose plugin container
+#: lacks that one capability): the adjustment of a GPU container, the metric and
+#: the readiness reason, as JSON.
+WITHOUT_CAPABILITY = """
+import json, sys
+from nrilib import gpu_container, pod
+from hostpid.node import renameat
+from hostpid.nri import api_pb2
+from hostpid.nri.decision import Config
+from hostpid.nri.health import not_ready_because
+from hostpid.nri.service import Adjuster, NRIMetrics
+
+lock_parent, broker = sys.argv[1:3]
+metrics = NRIMetrics()
+adjuster = Adjuster(Config(gate=True, lock_parent=lock_parent, broker_dir=broker), metrics)
+adjustment = adjuster.adjust(api_pb2.CreateContainerRequest(pod=pod(), container=gpu_container()))
+class Ready:
+    ready = True
+    socketPath = "nri.sock"
+print(json.dumps({
+    "mounts": [m.destination for m in adjustment.mounts],
+    "env": [e.key for e in adjustment.env],
+    "immutable": metrics.registry.get_sample_value("hostpid_nri_mountpoint_immutable"),
+    "unsafe": metrics.registry.get_sample_value(
+        "hostpid_nri_containers_total", {"reason": "mountpoint_unsafe"}),
+    "readyz": not_ready_because(Ready(), adjuster.look),
+}))
+"""
+
+
+def test_without_the_capability_the_lock_parent_alone(tree: Path) -> None:
+    """
+    Where the flag cannot be set (here a plugin without CAP_LINUX_IMMUTABLE;
+    on tmpfs before Linux 6.0 the same), a sound-looking root 0755 directory
+    is not enough: the device plugin can make the lock parent 0777 at any
+    moment.  The container gets the lock parent alone, the metric is 0, and
+    the readiness says why, naming the capability.
+    """
+    setpriv = require_tool("setpriv")
+    lock_parent = tree / "tmp" / "vgpulock"
+    done = subprocess.run(
+        [setpriv, "--bounding-set=-linux_immutable", "--inh-caps=-linux_immutable",
+         sys.executable, "-c", WITHOUT_CAPABILITY, str(lock_parent), str(tree / "broker")],
+        capture_output=True, text=True, timeout=60, env=subprocess_env(),
+        cwd=Path(__file__).parent, check=False)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert seen["mounts"] == ["/tmp/vgpulock"] and seen["env"] == [], seen
+    assert seen["immutable"] == 0 and seen["unsafe"] == 1, seen
+    assert "cannot be made immutable" in seen["readyz"], seen
+    assert "CAP_LINUX_IMMUTABLE" in seen["readyz"], seen
+    assert (lock_parent / "hostpid").is_dir(), "made, just not trusted for a broker mount"
 
 
 def test_unrepairable_is_reported_and_left(tree: Path) -> None:

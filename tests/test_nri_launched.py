@@ -34,10 +34,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kernelfeatures import kernel_feature
 from nrilib import FakeRuntime, NRIPluginProcess, RuntimeConnection, gpu_container, pod
 from support import REPO, TWISTD, subprocess_env, wait_for
 
 from hostpid.gate import GATE_ENV
+
+#: The NRI plugin gives a GPU container the broker only on a broker mountpoint it could make
+#: immutable: where /tmp's filesystem has no such attribute, these tests say so by name.
+pytestmark = kernel_feature("immutable_tmp")
+
 
 LAUNCHER = REPO / "deploy" / "nri" / "hostpid-nri-launcher"
 

@@ -8,10 +8,12 @@ Why each check exists:
   must give the same bytes, so an edit of a C{.proto} without regenerating
   (or a hand edit of the output) fails here.
 - The generated code is of protobuf's previous major (6), so that the
-  install's C{protobuf>=6.30.0,<8} lets it sit beside an agent pinned to 6
+  C{nri} extra's C{protobuf>=6.30.0,<8} lets it sit beside an agent pinned to 6
   (opentelemetry-proto 1.42): gencode of major V runs on runtimes V and V+1.
-  C{setup.cfg} requires exactly the range L{hostpid.nri} checks, and a
-  missing or too old runtime makes C{twistd hostpid-nri} say what to install.
+  C{setup.cfg}'s C{nri} extra (and the test extra, which runs the plugin's
+  tests) requires exactly the range L{hostpid.nri} checks, the base install
+  requires no protobuf at all, and a missing or too old runtime makes
+  C{twistd hostpid-nri} say in one line which extra to install.
 - The field numbers and names the wire depends on are NRI's and ttrpc's
   (C{pkg/api/api.proto}, C{request.proto}): the package, the event numbers,
   and the fields the plugin reads and writes.
@@ -58,9 +60,15 @@ def test_gencode_is_the_previous_major_and_the_install_allows_both() -> None:
     assert nri.PROTOBUF_OLDEST[0] + 2 == nri.PROTOBUF_NEXT_MAJOR
     config = configparser.ConfigParser()
     config.read(REPO / "setup.cfg")
-    requires = [line.strip() for line in config["options"]["install_requires"].splitlines()
+
+    def protobuf(requirements: str) -> list[str]:
+        return [line.strip() for line in requirements.splitlines()
                 if line.strip().startswith("protobuf")]
-    assert requires == [nri.PROTOBUF_REQUIREMENT]
+
+    assert protobuf(config["options"]["install_requires"]) == []
+    extras = config["options.extras_require"]
+    assert protobuf(extras[nri.EXTRA]) == [nri.PROTOBUF_REQUIREMENT]
+    assert protobuf(extras["test"]) == [nri.PROTOBUF_REQUIREMENT]
 
 
 @pytest.mark.parametrize(("version", "fits"), [
@@ -73,18 +81,19 @@ def test_protobuf_problem(version: tuple[int, int, int] | None, fits: bool) -> N
         assert f"pip install '{nri.PROTOBUF_REQUIREMENT}'" in problem
 
 
-def test_twistd_names_the_requirement_when_protobuf_is_missing() -> None:
-    # The plugin's environment without protobuf (an install with --no-deps,
-    # or one another agent's pin left older): twistd's last line says what
-    # to install, instead of a VersionError from the generated code.
+def test_twistd_names_the_extra_when_protobuf_is_missing() -> None:
+    # The plugin's environment without protobuf (the base install, without
+    # the nri extra): twistd says in one line which extra to install, instead
+    # of a traceback (tests/test_install.py does it in a real install).
     done = subprocess.run(
         [sys.executable, "-c", "import sys; sys.modules['google.protobuf'] = None\n"
          "from twisted.scripts.twistd import run\n"
          "sys.argv = ['twistd', 'hostpid-nri', '--help']\nrun()"],
         capture_output=True, text=True, timeout=60, cwd=REPO)
-    assert done.returncode != 0
-    assert done.stderr.strip().splitlines()[-1] == (
-        "ImportError: " + nri.protobuf_problem(None)), done.stderr
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [
+        "twistd hostpid-nri: " + nri.protobuf_problem(None)], done.stderr
+    assert f"'{nri.EXTRA}' extra" in done.stderr
 
 
 def field(message: type, name: str) -> int:

@@ -55,7 +55,8 @@ def test_unit_runs_the_plugin_as_documented() -> None:
     assert argv[argv.index("--metrics") + 1].endswith("interface=127.0.0.1")
     assert values("Environment") == ["LIBVGPU_HOSTPID_BROKER=1"]
     assert values("Restart") == ["on-failure"]
-    assert values("CapabilityBoundingSet") == [""]
+    # One capability: the broker mountpoint is made immutable (docs/security.md).
+    assert values("CapabilityBoundingSet") == ["CAP_LINUX_IMMUTABLE"]
     assert values("NoNewPrivileges") == ["yes"]
     assert values("ProtectSystem") == ["strict"]
     assert values("PrivateTmp") == ["no"]

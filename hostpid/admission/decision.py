@@ -10,6 +10,29 @@ boundary is "the socket is available only to workloads that receive the
 allocation mount", so a pod that does not qualify but names the broker's
 CDI device itself loses that annotation.
 
+PODS WHOSE GPU COMES FROM A RESOURCECLAIM (DRA, C{resource.k8s.io/v1}), and
+what the webhook can know at admission, before the scheduler allocates:
+
+ - a pod names its claims only (C{spec.resourceClaims[]}: a
+   C{resourceClaimTemplateName} or a C{resourceClaimName}) and each
+   container names the pod's claims it uses (C{resources.claims[].name}).
+   The device class, the one thing that says "GPU", is in the template's
+   or the claim's object, not in the pod: reading it needs an API lookup
+   of that object (L{claim_sources} says which, L{request_classes} reads
+   it; the lookup is the caller's I/O), and which device the scheduler
+   picks is known to nobody yet.  A class the operator lists
+   (L{Config.device_classes}) is the signal: a request that can only be
+   satisfied from listed classes gives its container a GPU, or the pod
+   never runs.  Names alone (of the claim, the template, the request) are
+   the pod's author's choice and prove nothing: without the lookup a
+   container qualifies by its resources only;
+ - a DeviceClass with C{extendedResourceName} (HAMi's chart sets
+   C{nvidia.com/gpu}: the DRAExtendedResource feature) lets a pod ask for
+   the extended resource itself; such a pod qualifies by
+   L{Config.resources} as any other, and the scheduler makes its claim;
+ - the node knows for certain: the NRI plugin sees the device nodes the
+   driver's CDI edits inject (C{hostpid.nri.decision}), with no lookup.
+
 Two modes:
 
  - C{mounts}: each qualifying container gets what C{hostpid allocate} gives
@@ -144,6 +167,10 @@ class Config:
 
     resources: tuple[str, ...] = ("nvidia.com/gpu",)
     mode: str = "cdi"
+    #: DeviceClasses (C{resource.k8s.io}) whose devices are GPUs: a
+    #: container naming a claim that asks only for these qualifies, once the
+    #: claim's object has been read (L{decide}'s C{claim_classes}).
+    device_classes: tuple[str, ...] = ()
     gate: bool = False
     lock_parent: str = defaults.LOCK_PARENT
     broker_dir: str = defaults.BROKER_DIRECTORY
@@ -200,6 +227,92 @@ def requests_resource(container: Mapping[str, Any], resources: Iterable[str]) ->
         for part in ("requests", "limits")
         for name in resources
     )
+
+
+@attrs.frozen
+class ClaimSource:
+    """
+    One entry of a pod's C{spec.resourceClaims}: the pod's name for the
+    claim and the object a lookup would read for its device classes.
+
+    @ivar kind: C{"ResourceClaimTemplate"} or C{"ResourceClaim"}.
+    """
+
+    name: str
+    kind: str
+    object_name: str
+
+
+def claim_sources(pod: Mapping[str, Any]) -> tuple[ClaimSource, ...]:
+    """
+    The pod's claims, each with the object that says which device classes
+    it asks for: a template (C{resourceClaimTemplateName}) or a claim
+    (C{resourceClaimName}).  Neither is in the pod: the pod names them only,
+    so the device classes are known after an API lookup alone (the caller's
+    I/O, never this module's).
+    """
+    found = []
+    for entry in _list(_mapping(pod.get("spec")).get("resourceClaims")):
+        entry = _mapping(entry)
+        name = entry.get("name")
+        if not isinstance(name, str):
+            continue
+        for field, kind in (("resourceClaimTemplateName", "ResourceClaimTemplate"),
+                            ("resourceClaimName", "ResourceClaim")):
+            value = entry.get(field)
+            if isinstance(value, str) and value:
+                found.append(ClaimSource(name, kind, value))
+                break
+    return tuple(found)
+
+
+def request_classes(obj: Mapping[str, Any]) -> tuple[frozenset[str], ...]:
+    """
+    For each device request of a looked-up ResourceClaim or
+    ResourceClaimTemplate (C{resource.k8s.io/v1}), the device classes it
+    may be satisfied from: C{exactly.deviceClassName}, or every
+    alternative's of a C{firstAvailable} request (the scheduler picks any
+    one of them).  Empty for a request that names no class where it should:
+    it proves nothing.
+    """
+    spec = _mapping(obj.get("spec"))
+    if obj.get("kind") == "ResourceClaimTemplate":
+        spec = _mapping(spec.get("spec"))
+    found = []
+    for request in _list(_mapping(spec.get("devices")).get("requests")):
+        request = _mapping(request)
+        exactly = _mapping(request.get("exactly"))
+        alternatives = [exactly] if exactly else [
+            _mapping(a) for a in _list(request.get("firstAvailable"))]
+        names = [a.get("deviceClassName") for a in alternatives]
+        named = [n for n in names if isinstance(n, str) and n]
+        found.append(frozenset(named) if named and len(named) == len(names) else frozenset())
+    return tuple(found)
+
+
+def container_claims(container: Mapping[str, Any]) -> tuple[str, ...]:
+    """The pod claims C{container} uses (C{resources.claims[].name})."""
+    return tuple(
+        claim["name"] for claim in _list(_mapping(container.get("resources")).get("claims"))
+        if isinstance(claim, Mapping) and isinstance(claim.get("name"), str))
+
+
+def claims_gpu(container: Mapping[str, Any], config: Config,
+               claim_classes: Mapping[str, tuple[frozenset[str], ...]]) -> bool:
+    """
+    Whether C{container} uses a claim one of whose requests can be satisfied
+    only from L{Config.device_classes} (L{request_classes}, as the caller's
+    lookups found them, by the pod's name for the claim).  A claim not
+    looked up counts for nothing; so does a request whose alternatives
+    include a class not listed (the scheduler may pick that one).
+    """
+    if not config.device_classes:
+        return False
+    listed = frozenset(config.device_classes)
+    return any(
+        request and request <= listed
+        for name in container_claims(container)
+        for request in claim_classes.get(name, ()))
 
 
 def clip(value: Any) -> str:
@@ -404,10 +517,22 @@ def _env_ops(container: Mapping[str, Any], field: str, index: int) -> list[dict[
     return ops
 
 
-def decide(pod: Mapping[str, Any], config: Config) -> Decision:
-    """The patch, warnings and outcome for C{pod} (a decoded Pod object)."""
+def decide(pod: Mapping[str, Any], config: Config,
+           claim_classes: Mapping[str, tuple[frozenset[str], ...]] | None = None) -> Decision:
+    """
+    The patch, warnings and outcome for C{pod} (a decoded Pod object).
+
+    @param claim_classes: for pods with ResourceClaims, the device classes
+        of each request of each claim (L{request_classes} of the object
+        L{claim_sources} names), by the pod's name for the claim, as the
+        caller's lookups found them; without them a container qualifies by
+        its resources alone.
+    """
     spec = _mapping(pod.get("spec"))
-    qualifying = [c for c in _containers(spec) if requests_resource(c[2], config.resources)]
+    classes = claim_classes or {}
+    qualifying = [c for c in _containers(spec)
+                  if requests_resource(c[2], config.resources)
+                  or claims_gpu(c[2], config, classes)]
     removal = _remove_annotation(pod)
     if not qualifying:
         if removal:

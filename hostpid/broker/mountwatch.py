@@ -19,7 +19,7 @@ import stat
 
 from twisted.logger import Logger
 
-from hostpid import defaults
+from hostpid import defaults, fileattr
 
 MOUNTPOINT_NAME = os.path.basename(defaults.CONTAINER_BROKER_DIRECTORY)
 
@@ -46,6 +46,8 @@ class MountpointWatch:
         #: is logged and counted once, not at every look.
         self._lastProblem: tuple[str, tuple[int, int, int] | None] | None = None
         self._seen: tuple[int, int, int] | None = None
+        #: The modification time the directory had when first seen.
+        self._mtime = 0
 
     def _observe(self) -> tuple[str, str]:
         try:
@@ -65,11 +67,44 @@ class MountpointWatch:
         identity = (st.st_dev, st.st_ino, st.st_ctime_ns)
         if self.identity is None:
             self.identity = identity
+            self._mtime = st.st_mtime_ns
             return "ok", "a directory"
         if identity != self.identity:
+            if self._sealed(st):
+                self.identity = identity
+                log.info("hostpid-broker: broker mountpoint {path} is now immutable",
+                         path=self.path)
+                return "ok", "a directory"
             self.identity = identity
+            self._mtime = st.st_mtime_ns
             return "replaced", "it is another directory than the one first seen"
         return "ok", "a directory"
+
+    def _sealed(self, st: os.stat_result) -> bool:
+        """
+        Whether the only change is the immutable attribute a preparation set
+        on the same directory (the NRI plugin, which has the capability the
+        broker's pod has not, makes the broker's mountpoint immutable): same
+        device and inode, same modification time (a directory made anew in
+        its place has its own), and immutable now, so nothing can replace
+        it from here on.
+        """
+        assert self.identity is not None
+        if (st.st_dev, st.st_ino, st.st_mtime_ns) != (*self.identity[:2], self._mtime):
+            return False
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+                         | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            held = os.fstat(fd)
+            return (held.st_dev, held.st_ino) == (st.st_dev, st.st_ino) and \
+                fileattr.is_immutable(fd)
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
 
     def check(self) -> str | None:
         """

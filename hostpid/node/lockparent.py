@@ -25,6 +25,23 @@ victim's own choosing inside the container, and a workload-owned directory can
 later be swapped for either.  So preparation owns the entry: it must be a
 directory owned by the trusted UID with mode 0755.
 
+Why immutable: once in place, the mountpoint carries the immutable
+attribute (L{fileattr}).  The sticky bit alone keeps a workload user from
+renaming a root-owned entry only while the lock parent stays 01777, and
+HAMi's device plugin makes it 0777 on every allocation: then any user can
+rename the entry between a component's look and the runtime's mount (the
+runtime resolves a planted symlink inside the next container and mounts the
+broker over, say, its C{/etc}), or rename or remove it under a running
+container (which detaches the broker mount in every other mount namespace).
+The kernel refuses both for an immutable inode whatever the directory's mode;
+only C{CAP_LINUX_IMMUTABLE} in the initial user namespace can clear the flag.
+An immutable inode cannot be renamed into place either, so the flag is set
+after the directory is placed, and the name is checked once more afterwards.
+Where the flag cannot be set (a filesystem without it, a process without the
+capability) the preparation still succeeds and says why
+(L{PreparedLockParent.immutable_problem}): the NRI plugin then gives the lock
+parent alone; an allocation keeps the design's sticky-bit rule.
+
 Why not remove and re-create: removing a planted entry and then creating ours leaves the name free
 for a moment, and a workload that re-creates its entry in a loop wins that
 moment every time.  So the broker's directory is finished under a random name
@@ -47,7 +64,7 @@ from collections.abc import Callable
 import attrs
 from twisted.logger import Logger
 
-from hostpid import defaults
+from hostpid import defaults, fileattr
 from hostpid.errors import PathRuleError
 from hostpid.node import renameat
 
@@ -125,6 +142,10 @@ class PreparedLockParent:
     @ivar repairs: what had to be repaired at the broker mountpoint.
     @ivar mountpoint_device: the broker mountpoint's C{st_dev}, when ensured.
     @ivar mountpoint_inode: the broker mountpoint's C{st_ino}, when ensured.
+    @ivar mountpoint_immutable: the broker mountpoint carries the immutable
+        attribute (read back from it), so that no one without
+        C{CAP_LINUX_IMMUTABLE} can rename, remove or replace it.
+    @ivar immutable_problem: why it does not, when ensured without it.
     """
 
     path: str
@@ -134,6 +155,8 @@ class PreparedLockParent:
     repairs: tuple[MountpointRepair, ...] = ()
     mountpoint_device: int | None = None
     mountpoint_inode: int | None = None
+    mountpoint_immutable: bool = False
+    immutable_problem: str = ""
 
     @property
     def repair_count(self) -> int:
@@ -141,7 +164,10 @@ class PreparedLockParent:
         return len(self.repairs)
 
     def describe_repairs(self) -> list[str]:
-        """One line per repair, for a command line to show an operator."""
+        """
+        One line per repair, and one when the broker mountpoint could not be
+        made immutable, for a command line to show an operator.
+        """
         lines = []
         for repair in self.repairs:
             if repair.found == "missing mountpoint":
@@ -153,6 +179,11 @@ class PreparedLockParent:
                 f"repaired {self.path}/{MOUNTPOINT_NAME}: found a {repair.found} owned by "
                 f"UID {repair.owner_uid} (mode {repair.mode:04o}); {repair.action}{moved}"
             )
+        if self.broker_mountpoint and self.immutable_problem:
+            lines.append(
+                f"{self.path}/{MOUNTPOINT_NAME} is not immutable ({self.immutable_problem}): "
+                "wherever something resets the lock parent to 0777 a workload user can rename "
+                "it; the NRI plugin gives such a node the lock parent alone (docs/security.md)")
         return lines
 
 
@@ -358,10 +389,24 @@ def _prepare(
     parent_fd = _open_parent(parts, trusted_uid)
     try:
         _step(between_steps, "parent-opened")
-        try:
-            os.mkdir(name, defaults.LOCK_PARENT_MODE, dir_fd=parent_fd)
-        except FileExistsError:
-            pass
+        euid = os.geteuid()
+        if euid not in (0, trusted_uid):
+            # What this process creates is its own, it cannot give it away,
+            # and an entry owned by anyone but the trusted UID is refused by
+            # every later preparation (root's included): look, never create.
+            if _lstat(name, parent_fd) is None:
+                raise LockParentError(
+                    shown,
+                    f"does not exist, and this process runs as UID {euid}: it would "
+                    f"create it owned by UID {euid}, which every preparation then refuses "
+                    f"(nothing was created); run `hostpid prepare-lock-parent` as UID "
+                    f"{trusted_uid}{' (root)' if trusted_uid == 0 else ''}",
+                )
+        else:
+            try:
+                os.mkdir(name, defaults.LOCK_PARENT_MODE, dir_fd=parent_fd)
+            except FileExistsError:
+                pass
         _step(between_steps, "lock-parent-made")
         child_fd = _open_directory(name, parent_fd, shown)
         try:
@@ -369,19 +414,27 @@ def _prepare(
             st = os.fstat(child_fd)
             if st.st_uid != trusted_uid:
                 raise LockParentError(
-                    shown, f"is owned by UID {st.st_uid}, not the trusted UID {trusted_uid}"
+                    shown,
+                    f"is owned by UID {st.st_uid}, not the trusted UID {trusted_uid}; nothing "
+                    f"in it is trusted (left untouched).  If a `hostpid prepare-lock-parent` "
+                    f"run as UID {st.st_uid} made it, move it aside as root (mv {shown} "
+                    f"{shown}.uid{st.st_uid}) and prepare again",
                 )
             # mkdir's mode was filtered by the umask, and an existing
-            # directory may have any mode: set it by descriptor.
-            os.fchmod(child_fd, defaults.LOCK_PARENT_MODE)
+            # directory may have any mode: set it by descriptor (unless it is
+            # right already, so that a process other than its owner can check
+            # a prepared lock parent).
+            if stat.S_IMODE(st.st_mode) != defaults.LOCK_PARENT_MODE:
+                os.fchmod(child_fd, defaults.LOCK_PARENT_MODE)
             _step(between_steps, "lock-parent-mode-set")
             final = _final_check(
                 child_fd, name, parent_fd, trusted_uid, defaults.LOCK_PARENT_MODE, shown
             )
             repairs: tuple[MountpointRepair, ...] = ()
             mountpoint: os.stat_result | None = None
+            immutability = fileattr.Immutability(False)
             if broker_enabled:
-                repairs, mountpoint = _ensure_mountpoint(
+                repairs, mountpoint, immutability = _ensure_mountpoint(
                     child_fd, shown, trusted_uid, between_steps
                 )
             return PreparedLockParent(
@@ -392,6 +445,8 @@ def _prepare(
                 repairs=repairs,
                 mountpoint_device=mountpoint.st_dev if mountpoint is not None else None,
                 mountpoint_inode=mountpoint.st_ino if mountpoint is not None else None,
+                mountpoint_immutable=immutability.immutable,
+                immutable_problem=immutability.problem,
             )
         finally:
             os.close(child_fd)
@@ -521,6 +576,17 @@ def _adopt(
                 mode=stat.S_IMODE(held.st_mode),
                 wanted=MOUNTPOINT_MODE,
             )
+            # An immutable inode refuses even root's chmod: clear the flag
+            # first (only root with CAP_LINUX_IMMUTABLE can), the mode is
+            # restored, and the caller sets the flag again.
+            try:
+                fileattr.clear_immutable(fd)
+            except OSError as e:
+                raise LockParentError(
+                    shown, f"is immutable with mode {stat.S_IMODE(held.st_mode):04o}, not "
+                    f"{MOUNTPOINT_MODE:04o}, and its immutable attribute cannot be cleared "
+                    f"to restore the mode: {e.strerror} (left untouched; as root: "
+                    f"chattr -i {shown} && chmod {MOUNTPOINT_MODE:o} {shown})") from e
             os.fchmod(fd, MOUNTPOINT_MODE)
         _step(between_steps, "mountpoint-mode-set")
         return fd, repairs
@@ -577,39 +643,105 @@ def _dispose(lock_parent_fd: int, name: str, shown: str) -> MountpointRepair | N
     return None
 
 
+#: How often the mountpoint is made again when it was displaced between being
+#: placed and being made immutable (a rename by a workload user in a 0777 lock
+#: parent, in the few microseconds between the two system calls).
+SEAL_ATTEMPTS = 8
+
+
+class _Displaced(Exception):
+    """The mountpoint was moved away before its immutable attribute held it."""
+
+    def __init__(self, error: LockParentError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 def _ensure_mountpoint(
     lock_parent_fd: int, lock_parent: str, trusted_uid: int, between_steps: StepHook | None
-) -> tuple[tuple[MountpointRepair, ...], os.stat_result]:
+) -> tuple[tuple[MountpointRepair, ...], os.stat_result, fileattr.Immutability]:
+    """
+    Make C{hostpid} inside the verified lock parent an immutable directory
+    owned by C{trusted_uid} with mode 0755 (L{_ensure_once}), trying again
+    when a workload user moved it away before the flag was set.
+
+    @return: the repairs made, the C{lstat} of the mountpoint accepted, and
+        whether it is immutable.
+    """
+    repairs: list[MountpointRepair] = []
+    for _ in range(SEAL_ATTEMPTS - 1):
+        try:
+            return _ensure_once(lock_parent_fd, lock_parent, trusted_uid, between_steps,
+                                repairs)
+        except _Displaced:
+            continue
+    try:
+        return _ensure_once(lock_parent_fd, lock_parent, trusted_uid, between_steps, repairs)
+    except _Displaced as displaced:
+        raise displaced.error from None
+
+
+def _seal(
+    fd: int, lock_parent_fd: int, trusted_uid: int, shown: str, between_steps: StepHook | None
+) -> tuple[os.stat_result, fileattr.Immutability]:
+    """
+    Set the immutable attribute on the directory placed at C{hostpid} (open
+    as C{fd}), then check that the name still is that directory.
+
+    An immutable inode cannot be renamed into place, so the flag comes after
+    the placement; a rename in between is caught by the check, and the
+    directory that was moved away loses its flag again (it is no longer
+    ours to keep, nor anything anyone should be unable to remove).
+
+    @raise _Displaced: the name no longer is the directory.
+    """
+    immutability = fileattr.set_immutable(fd)
+    _step(between_steps, "mountpoint-sealed")
+    try:
+        final = _final_check(
+            fd, MOUNTPOINT_NAME, lock_parent_fd, trusted_uid, MOUNTPOINT_MODE, shown
+        )
+    except LockParentError as e:
+        if immutability.immutable:
+            with contextlib.suppress(OSError):
+                fileattr.clear_immutable(fd)
+        raise _Displaced(e) from e
+    return final, immutability
+
+
+def _ensure_once(
+    lock_parent_fd: int, lock_parent: str, trusted_uid: int, between_steps: StepHook | None,
+    repairs: list[MountpointRepair],
+) -> tuple[tuple[MountpointRepair, ...], os.stat_result, fileattr.Immutability]:
     """
     Make C{hostpid} inside the verified lock parent a directory owned by
     C{trusted_uid} with mode 0755, so that the name is at every moment either
-    what was there before or the broker's finished directory, never free.
+    what was there before or the broker's finished directory, never free;
+    then make it immutable (L{_seal}).
 
     A trusted directory already there is kept (see L{_adopt}).  Otherwise a
     finished directory is built under a random name (L{_build_directory}) and
     put in place with C{renameat2}: C{RENAME_NOREPLACE} when the name is
-    free, C{RENAME_EXCHANGE} when something is there.  Once in place, a
-    workload user can no longer remove it (root-owned, in a sticky directory),
-    so a planter racing the repair loses after one exchange; only a planter
-    that removes and re-creates its own entry between two system calls can
-    make one attempt fail, and the attempts repeat.  Whatever was swapped out
-    is then removed or quarantined (L{_dispose}).
-
-    @return: the repairs made, and the C{lstat} of the mountpoint accepted.
+    free, C{RENAME_EXCHANGE} when something is there.  Once in place and
+    immutable, nobody without C{CAP_LINUX_IMMUTABLE} can rename or remove
+    it, sticky lock parent or not, so a planter racing the repair loses after
+    one exchange; only a planter that removes and re-creates its own entry
+    between two system calls can make one attempt fail, and the attempts
+    repeat.  Whatever was swapped out is then removed or quarantined
+    (L{_dispose}).  C{repairs} collects the repairs over the attempts.
     """
     shown = f"{lock_parent}/{MOUNTPOINT_NAME}"
-    repairs: list[MountpointRepair] = []
     if _is_trusted_directory(_lstat(MOUNTPOINT_NAME, lock_parent_fd), trusted_uid):
         adopted = _adopt(lock_parent_fd, shown, trusted_uid, between_steps)
         if adopted is not None:
             fd, drift = adopted
             try:
-                final = _final_check(
-                    fd, MOUNTPOINT_NAME, lock_parent_fd, trusted_uid, MOUNTPOINT_MODE, shown
-                )
+                final, immutability = _seal(fd, lock_parent_fd, trusted_uid, shown,
+                                            between_steps)
             finally:
                 os.close(fd)
-            return drift, final
+            repairs.extend(drift)
+            return tuple(repairs), final, immutability
     elif _lstat(MARKER_NAME, lock_parent_fd) is not None and \
             _lstat(MOUNTPOINT_NAME, lock_parent_fd) is None and \
             _marker_is_ours(lock_parent_fd, trusted_uid):
@@ -647,6 +779,19 @@ def _ensure_mountpoint(
                 if e.errno == errno.ENOENT:
                     st = None
                     continue
+                if e.errno == errno.EPERM:
+                    # The entry is immutable: a concurrent preparation's
+                    # finished directory (adopted above), or something only
+                    # root with CAP_LINUX_IMMUTABLE can have made.
+                    st = _lstat(MOUNTPOINT_NAME, lock_parent_fd)
+                    if _is_trusted_directory(st, trusted_uid):
+                        continue
+                    found = describe_type(st.st_mode) if st is not None else "entry"
+                    raise LockParentError(
+                        shown, f"is an immutable {found} owned by UID "
+                        f"{st.st_uid if st is not None else '?'}, which only root with "
+                        f"CAP_LINUX_IMMUTABLE can have made (left untouched; as root: "
+                        f"chattr -i {shown})") from e
                 raise LockParentError(shown, f"cannot be put in place: {e.strerror}") from e
             if flags == renameat.RENAME_EXCHANGE and _is_trusted_directory(
                 _lstat(build_name, lock_parent_fd), trusted_uid
@@ -668,22 +813,22 @@ def _ensure_mountpoint(
                 f"owned by UID {trusted_uid} in place; refusing this allocation",
             )
         _step(between_steps, "mountpoint-placed")
-        final = _final_check(
-            fd, MOUNTPOINT_NAME, lock_parent_fd, trusted_uid, MOUNTPOINT_MODE, shown
-        )
+        final, immutability = _seal(fd, lock_parent_fd, trusted_uid, shown, between_steps)
     finally:
         os.close(fd)
         if not placed:
             # Still ours under the random name (nobody else can touch it).
             with contextlib.suppress(FileNotFoundError):
                 os.rmdir(build_name, dir_fd=lock_parent_fd)
-    if swapped:
-        repair = _dispose(lock_parent_fd, build_name, shown)
-        if repair is not None:
-            repairs.append(repair)
+        if swapped:
+            # Also when the seal found the directory moved away: what was
+            # swapped out is dealt with either way.
+            repair = _dispose(lock_parent_fd, build_name, shown)
+            if repair is not None:
+                repairs.append(repair)
     if placed:
         _leave_marker(lock_parent_fd)
-    return tuple(repairs), final
+    return tuple(repairs), final, immutability
 
 
 def _marker_is_ours(lock_parent_fd: int, trusted_uid: int) -> bool:

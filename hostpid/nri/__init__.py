@@ -20,17 +20,22 @@ from __future__ import annotations
 
 import importlib
 
+from hostpid.errors import MissingExtra
+
 #: The protobuf runtimes the checked-in messages (C{api_pb2.py}, C{ttrpc_pb2.py})
-#: run on, as C{setup.cfg} requires them: their gencode is 6.30.0 (grpcio-tools
-#: 1.72.2's protoc), and protobuf guarantees that gencode of major V runs on
-#: runtimes of V (not older than the gencode) and V+1
+#: run on, as C{setup.cfg}'s C{nri} extra requires them: their gencode is 6.30.0
+#: (grpcio-tools 1.72.2's protoc), and protobuf guarantees that gencode of major
+#: V runs on runtimes of V (not older than the gencode) and V+1
 #: (https://protobuf.dev/support/cross-version-runtime-guarantee; its
 #: C{google/protobuf/runtime_version.py}, C{ValidateProtobufRuntimeVersion},
-#: refuses an older runtime).  Not forcing 7 lets the package sit beside a node
-#: agent pinned to 6 (opentelemetry-proto 1.42 asks for <7).
+#: refuses an older runtime).  Not forcing 7 lets the plugin sit beside a node
+#: agent pinned to 6 (opentelemetry-proto 1.42 asks for <7); being an extra lets
+#: the rest of the package sit beside any protobuf at all.
 PROTOBUF_REQUIREMENT = "protobuf>=6.30.0,<8"
 PROTOBUF_OLDEST = (6, 30, 0)
 PROTOBUF_NEXT_MAJOR = 8
+#: The extra that installs L{PROTOBUF_REQUIREMENT} (C{setup.cfg}).
+EXTRA = "nri"
 
 
 def protobuf_problem(version: tuple[int, int, int] | None) -> str | None:
@@ -44,9 +49,10 @@ def protobuf_problem(version: tuple[int, int, int] | None) -> str | None:
         return None
     else:
         found = f"protobuf {'.'.join(map(str, version))} is installed"
-    return (f"the NRI plugin (twistd hostpid-nri) needs {PROTOBUF_REQUIREMENT}, a requirement of "
-            f"hostpid-broker, but {found}: pip install '{PROTOBUF_REQUIREMENT}' in the "
-            "plugin's environment")
+    return (f"the NRI plugin needs {PROTOBUF_REQUIREMENT}, which the package's '{EXTRA}' extra "
+            f"installs, but {found}: install the package with the extra (pip install "
+            f"'/path/to/hostpid_broker-VERSION-*.whl[{EXTRA}]', or '.[{EXTRA}]' in a checkout), "
+            f"or pip install '{PROTOBUF_REQUIREMENT}' in the plugin's environment")
 
 
 def _installed_protobuf() -> tuple[int, int, int] | None:
@@ -66,5 +72,5 @@ def _installed_protobuf() -> tuple[int, int, int] | None:
 _problem = protobuf_problem(_installed_protobuf())
 if _problem is not None:
     # Raised here, where every module of the plugin is imported through, so that
-    # twistd names the fix instead of a VersionError from the generated code.
-    raise ImportError(_problem)
+    # twistd names the extra instead of a VersionError from the generated code.
+    raise MissingExtra(_problem)

@@ -56,7 +56,11 @@ WHICH SIGNALS A POD SPEC CAN FORGE, and so which the decision trusts:
     C{DevicesFromAnnotation} checks the host path only), so a restricted
     pod can show NRI a C{/dev/nvidia0} that is FUSE's 10:229
     (tests/e2e/test_crio.py).  The NVIDIA preset's device signal is a
-    character device of NVIDIA's major, 195.
+    character device of NVIDIA's major, 195, with a GPU's minor (0 to
+    253): the driver's control nodes share the major (C{/dev/nvidiactl} is
+    195:255, C{/dev/nvidia-modeset} 195:254), are no GPU, and are what a
+    runtime allowing such devices through an annotation would hand a pod
+    that has none.
   - C{CDI_devices}: only the kubelet sets them, from a device plugin's
     C{cdiDevices} or a DRA claim.  TRUSTED.
   - a mount whose source is C{/dev/null} at
@@ -155,6 +159,13 @@ NVIDIA_DEVICE_LIST_DIR = "/var/run/nvidia-container-devices"
 #: The major of NVIDIA's GPU device nodes, C{/dev/nvidia0}... (the driver's
 #: C{NV_MAJOR_DEVICE_NUMBER}; C{/proc/devices}: 195 nvidia-frontend).
 NVIDIA_MAJOR = 195
+#: The highest minor of a GPU's node: the driver numbers GPUs from 0 and keeps
+#: 254 for C{/dev/nvidia-modeset} and 255 for C{/dev/nvidiactl}
+#: (C{NV_CONTROL_DEVICE_MINOR}, C{NV_MODESET_MINOR}).  The path's number is
+#: not required to equal the minor: a device plugin may name the host's
+#: C{/dev/nvidia3} C{/dev/nvidia0} inside the container, and what cannot be
+#: forged is the device number, not the name.
+NVIDIA_GPU_MINOR_MAX = 253
 
 
 #: Signals a pod spec cannot forge (the module docstring says why); there is
@@ -179,6 +190,9 @@ class Signal:
     #: For C{"device"}: the character device major it must also have, or
     #: C{None} to match the path alone (C{--resource device:...}).
     major: int | None = None
+    #: For C{"device"} with a C{major}: the highest minor it may have, or
+    #: C{None} for any.
+    minor_max: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.kind not in SIGNAL_KINDS:
@@ -187,14 +201,17 @@ class Signal:
             re.compile(self.pattern[3:])
 
     def describe(self) -> str:
-        suffix = f" (character major {self.major})" if self.major is not None else ""
+        suffix = ""
+        if self.major is not None:
+            minors = f", minor 0-{self.minor_max}" if self.minor_max is not None else ""
+            suffix = f" (character major {self.major}{minors})"
         return f"{self.kind}:{self.pattern}{suffix}"
 
 
 #: What C{--resource NAME} means for the resource names the plugin knows.
 PRESETS: Mapping[str, tuple[Signal, ...]] = {
     "nvidia.com/gpu": (
-        Signal("device", r"re:/dev/nvidia[0-9]+", NVIDIA_MAJOR),
+        Signal("device", r"re:/dev/nvidia[0-9]+", NVIDIA_MAJOR, NVIDIA_GPU_MINOR_MAX),
         Signal("cdi", "nvidia.com/gpu"),
         Signal("devnull-mount", NVIDIA_DEVICE_LIST_DIR),
     ),
@@ -324,7 +341,9 @@ def allocation_signal(container: api_pb2.Container, signals: Iterable[Signal]) -
     milliseconds at L{MAX_ENTRIES}.  A device signal with a C{major} asks for
     a character device of that major, not a path alone: CRI-O's allowed
     C{io.kubernetes.cri-o.Devices} annotation lets a pod put an allowed
-    device (C{/dev/fuse} by default) at any path, C{/dev/nvidia0} too.
+    device (C{/dev/fuse} by default) at any path, C{/dev/nvidia0} too.  With
+    a C{minor_max} the minor must be at most that too: NVIDIA's control
+    nodes (195:254, 195:255) are no GPU.
     """
     signals = tuple(signals)
     for signal in signals:
@@ -332,6 +351,8 @@ def allocation_signal(container: api_pb2.Container, signals: Iterable[Signal]) -
             for device in container.linux.devices:
                 path = device.path
                 if signal.major is not None and (device.type, device.major) != ("c", signal.major):
+                    continue
+                if signal.minor_max is not None and not 0 <= device.minor <= signal.minor_max:
                     continue
                 if len(path) <= PATH_MAX and _device_matches(signal.pattern, path):
                     return f"device {path}"

@@ -103,6 +103,11 @@ class NRIMetrics:
         self.host_ready = Gauge(
             "hostpid_nri_host_ready", "1 while the broker directory and the lock parent exist "
             "and the broker mountpoint is sound (as last looked at).", registry=self.registry)
+        self.immutable = Gauge(
+            "hostpid_nri_mountpoint_immutable", "1 while the broker mountpoint carries the "
+            "immutable attribute, which no tenant can rename, remove or replace whatever the "
+            "lock parent's mode (as last looked at); 0 where it cannot be set: GPU containers "
+            "then get the lock parent alone (mountpoint_unsafe).", registry=self.registry)
 
 
 def _describe(request: api_pb2.CreateContainerRequest) -> dict[str, str]:
@@ -184,7 +189,9 @@ class Adjuster:
     def look(self) -> HostState:
         """The host's state now, each change logged once (L{HostCheck.check})."""
         if self._present is not None:
-            state = HostState(missing=() if self._present() else (self.config.broker_dir,))
+            present = self._present()
+            state = HostState(missing=() if present else (self.config.broker_dir,),
+                              immutable=present)
         else:
             self.stale = removed_since_mounted((self.config.broker_dir, self.config.lock_parent))
             state = HostState(missing=self.stale) if self.stale else self.host.check()
@@ -204,6 +211,7 @@ class Adjuster:
                           mountpoint=f"{self.config.lock_parent}/hostpid")
         previous, self.last = self.last, state
         self.metrics.host_ready.set(0 if state.missing or state.mountpoint_problem else 1)
+        self.metrics.immutable.set(1 if state.immutable else 0)
         if previous is not None and previous.missing == state.missing and (
                 previous.mountpoint_problem == state.mountpoint_problem) and (
                 previous.repair_failure == state.repair_failure):
@@ -226,8 +234,9 @@ class Adjuster:
         if state.mountpoint_problem:
             self.log.warn(
                 "hostpid-nri: the broker mountpoint is unsafe and cannot be repaired: "
-                "{problem} ({failure}); GPU containers get the lock parent only, no broker",
-                problem=state.mountpoint_problem, failure=state.repair_failure)
+                "{problem}{failure_note}; GPU containers get the lock parent only, no broker",
+                problem=state.mountpoint_problem, failure=state.repair_failure,
+                failure_note=f" ({state.repair_failure})" if state.repair_failure else "")
         elif state.repair_failure:
             self.log.warn(
                 "hostpid-nri: the lock parent cannot be prepared ({failure}); its broker "

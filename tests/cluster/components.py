@@ -30,11 +30,10 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from kernels.debian import CACHE
+from kernels.debian import CACHE, filling
 
 #: The Kubernetes release the tier runs (user namespaces and DRA GA).
 KUBERNETES_VERSION = "v1.36.3"
@@ -113,15 +112,20 @@ def build_argv(version: str, out: str) -> list[str]:
 
 def go_env(workdir: Path) -> dict[str, str]:
     """
-    The Go toolchain's environment: the machine's Go and its module and
-    build caches (a rebuild of the same flags is a cache hit), no cgo (the
-    release binaries are static too), the module proxy only.
+    The Go toolchain's environment: the machine's Go, the module and build
+    caches the runtimes' builds use (L{builds.go_caches}: under the cache
+    directory unless the environment names others; a rebuild of the same
+    flags is a cache hit), no cgo (the release binaries are static too), the
+    module proxy only.
     """
+    from builds import go_caches
+
     env = {key: value for key, value in os.environ.items()
            if key in ("PATH", "HOME", "GOPATH", "GOCACHE", "GOMODCACHE", "GOPROXY",
                       "GONOSUMDB", "GOSUMDB", "GOTOOLCHAIN", "http_proxy", "https_proxy",
                       "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "no_proxy")}
     env.setdefault("HOME", "/root")
+    env.update(go_caches(CACHE))
     env.update(CGO_ENABLED="0", GOFLAGS="", GOWORK="off", PWD=str(workdir))
     return env
 
@@ -155,14 +159,7 @@ def kubernetes(version: str = KUBERNETES_VERSION, cache: Path = CACHE) -> Path:
     were built from (C{go.mod}, C{go.sum}): built on the first call for
     C{version}, reused afterwards.
     """
-    final = kubernetes_dir(version, cache)
-    if (final / ".complete").is_file():
-        return final
-    if shutil.which("go") is None:
-        raise RuntimeError("building Kubernetes needs Go on PATH (1.26 or newer)")
-    cache.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".kubernetes-{version}-", dir=cache))
-    try:
+    def build(work: Path) -> None:
         download = json.loads(_go(work.parent, "mod", "download", "-json",
                                   f"k8s.io/kubernetes@{version}"))
         upstream = Path(download["GoMod"]).read_text()
@@ -173,17 +170,71 @@ def kubernetes(version: str = KUBERNETES_VERSION, cache: Path = CACHE) -> Path:
         missing = [command for command in COMMANDS if not (work / "bin" / command).is_file()]
         if missing:
             raise RuntimeError(f"go build left no {', '.join(missing)} in {work / 'bin'}")
+
+    return _cached(kubernetes_dir(version, cache), "Kubernetes", build)
+
+
+def _cached(final: Path, what: str, build: Callable[[Path], None]) -> Path:
+    """
+    C{final}, made by C{build} in the suite's one cache-filling helper
+    (L{kernels.debian.filling}: a build killed half-way leaves nothing a
+    later run would take for complete); reused when there.
+    """
+    if (final / ".complete").is_file():
+        return final
+    if shutil.which("go") is None:
+        raise RuntimeError(f"building {what} needs Go on PATH (1.26 or newer)")
+    with filling(final, ".complete") as work:
+        build(work)
         (work / ".complete").touch()
-        try:
-            work.rename(final)
-        except OSError:
-            # Another run finished first: use its build.
-            if not (final / ".complete").is_file():
-                raise
-    finally:
-        if work.exists():
-            shutil.rmtree(work, ignore_errors=True)
     return final
+
+
+#: KWOK (Kubernetes WithOut Kubelet), the simulated nodes of the fleet
+#: (L{kwok}): its controller C{kwok}, which needs Go 1.26.
+KWOK_MODULE = "sigs.k8s.io/kwok"
+KWOK_VERSION = "v0.8.0"
+
+#: The module's own default stages, as C{kwokctl} gives a cluster
+#: (C{pkg/kwokctl/runtime/cluster.go} C{getDefaultNodeStages} with a node
+#: lease, C{getDefaultPodStages}): copied beside the binary from the
+#: module's source, so that the stages are the release's.
+KWOK_STAGES = (
+    "kustomize/stage/node/fast/node-initialize.yaml",
+    "kustomize/stage/node/heartbeat-with-lease/node-heartbeat-with-lease.yaml",
+    "kustomize/stage/pod/fast/pod-ready.yaml",
+    "kustomize/stage/pod/fast/pod-complete.yaml",
+    "kustomize/stage/pod/fast/pod-delete.yaml",
+)
+
+
+def kwok_go_mod(version: str, go_version: str) -> str:
+    return (f"module hostpid.test/kwokbuild\n\ngo {go_version}\n\n"
+            f"require {KWOK_MODULE} {version}\n")
+
+
+def kwok(version: str = KWOK_VERSION, cache: Path = CACHE) -> Path:
+    """
+    The directory holding C{bin/kwok}, built from the Go module proxy at
+    C{version} (stamped as its release stamps it, C{hack/releases.sh}), and
+    C{stages/}, the module's default stages: built on the first call,
+    reused afterwards.
+    """
+    def build(work: Path) -> None:
+        download = json.loads(_go(work.parent, "mod", "download", "-json",
+                                  f"{KWOK_MODULE}@{version}"))
+        (work / "go.mod").write_text(kwok_go_mod(version, go_version()))
+        (work / "tools.go").write_text(
+            f'//go:build tools\n\npackage tools\n\nimport _ "{KWOK_MODULE}/cmd/kwok"\n')
+        _go(work, "mod", "tidy")
+        stamp = f"-X {KWOK_MODULE}/pkg/consts.Version={version.lstrip('v')}"
+        _go(work, "build", "-trimpath", f"-ldflags={stamp}", "-o", "bin/kwok",
+            f"{KWOK_MODULE}/cmd/kwok", timeout=BUILD_TIMEOUT)
+        (work / "stages").mkdir()
+        for path in KWOK_STAGES:
+            shutil.copyfile(Path(download["Dir"]) / path, work / "stages" / Path(path).name)
+
+    return _cached(cache / f"kwok-{version}", "KWOK", build)
 
 
 def etcd() -> Path:
@@ -193,8 +244,8 @@ def etcd() -> Path:
     return unpacked_package(ETCD_SUITE, ETCD_PACKAGE)
 
 
-def versions(kubernetes_bin: Path, etcd_bin: Path) -> Mapping[str, str]:
-    """Each component's own account of its version, as it prints it."""
+def versions(kubernetes_bin: Path, etcd_bin: Path | None = None) -> Mapping[str, str]:
+    """Each component's own account of its version, as it prints it (etcd's when given)."""
     found = {}
     for command in COMMANDS:
         argv = [str(kubernetes_bin / command), "--version"]
@@ -203,6 +254,8 @@ def versions(kubernetes_bin: Path, etcd_bin: Path) -> Mapping[str, str]:
         output = subprocess.run(argv, capture_output=True, text=True, timeout=60,
                                 check=False).stdout
         found[command] = output.strip().splitlines()[0] if output.strip() else "?"
+    if etcd_bin is None:
+        return found
     output = subprocess.run([str(etcd_bin), "--version"], capture_output=True, text=True,
                             timeout=60, check=False).stdout
     found["etcd"] = output.strip().splitlines()[0] if output.strip() else "?"

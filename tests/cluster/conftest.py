@@ -14,7 +14,7 @@ from __future__ import annotations
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -29,10 +29,11 @@ for path in (HERE, HERE.parent / "e2e"):
 import crilib  # noqa: E402
 from support import require_root, skip_or_fail  # noqa: E402
 
-#: The per-test cap (tests/budget.py) of the tier's tests: the first one pays,
-#: in its setup, for the Kubernetes build and the image build when the cache
-#: is cold (about 8 and 10 minutes on 2 cores); every wait inside a test has
-#: its own, shorter bound.
+#: The per-test cap (tests/budget.py, multiplied by the load measured when it
+#: is reached) of the tier's tests: under .ci/run the Kubernetes and image
+#: builds are made before the tests (tests/prebuild.py), but a run of the tier
+#: alone on a cold cache pays for them in the first test's setup (about 8 and
+#: 10 minutes on 2 cores); every wait inside a test has its own, shorter bound.
 CAP = 1500
 
 
@@ -137,3 +138,65 @@ def gpus(kube: object, deviceplugin_messages: ModuleType) -> Iterator[object]:
         yield plugin
     finally:
         plugin.stop()
+
+
+#: GPUs the DRA driver publishes (C{hami-gpu-0} ..): the claim scenarios use a few.
+DRA_GPU_COUNT = 8
+
+
+@pytest.fixture(scope="session")
+def dra_messages() -> Iterator[tuple[ModuleType, ModuleType]]:
+    import components
+    import deviceplugin
+    import draplugin
+
+    out = Path(tempfile.mkdtemp(prefix="hostpid-cluster-dra-"))
+    try:
+        module = deviceplugin.kubelet_module(
+            components.staging_version(components.KUBERNETES_VERSION))
+        yield draplugin.compile_messages(module, out)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def dra_gpus(kube: object, dra_messages: tuple[ModuleType, ModuleType]) -> Iterator[object]:
+    """The DRA driver, registered with the kubelet; its ResourceSlice and DeviceClass published."""
+    from cluster import Cluster
+    from draplugin import DraPlugin
+    from release import Paths
+
+    assert isinstance(kube, Cluster)
+    plugin = DraPlugin(dra_messages, kube, kube.workdir / "dev-dra", DRA_GPU_COUNT,
+                       kube.containerd.cdi_dir, Paths(kube).lock_parent)
+    yield from _session_part(plugin, plugin.start, plugin.stop)
+
+
+def _session_part(part: object, start: Callable[[], object],
+                  stop: Callable[[], object]) -> Iterator[object]:
+    """C{part} started for the session, stopped when the run leaves the tier or at its end."""
+    start()
+    _closers.append(stop)
+    try:
+        yield part
+    finally:
+        stop()
+
+
+@pytest.fixture(scope="session")
+def kwok(kube: object) -> Iterator[object]:
+    """
+    KWOK's controller for simulated nodes on the tier's API server
+    (L{kwok.Kwok}): started by the test that sizes the fleet, stopped (its
+    nodes deleted) when the run leaves the tier.
+    """
+    from cluster import Cluster
+    from kwok import Kwok
+
+    assert isinstance(kube, Cluster)
+    controller = Kwok(kube)
+    _closers.append(controller.stop)
+    try:
+        yield controller
+    finally:
+        controller.stop()

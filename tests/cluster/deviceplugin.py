@@ -54,26 +54,38 @@ MODES = ("devices", "cdi")
 
 def api_proto(kubelet_module_version: str) -> Path:
     """The API's C{api.proto} in the Go module cache (downloaded if missing)."""
+    return kubelet_module(kubelet_module_version) / "pkg" / "apis" / "deviceplugin" / \
+        "v1beta1" / "api.proto"
+
+
+def kubelet_module(kubelet_module_version: str) -> Path:
+    """
+    C{k8s.io/kubelet}'s directory in the Go module cache (downloaded if
+    missing): the kubelet's gRPC APIs' C{.proto} files are under C{pkg/apis}.
+    """
     result = subprocess.run(
         ["go", "mod", "download", "-json", f"k8s.io/kubelet@{kubelet_module_version}"],
         capture_output=True, text=True, timeout=600, check=False, cwd="/",
         env={**os.environ, "GOFLAGS": "", "GOWORK": "off"})
     if result.returncode != 0:
         raise RuntimeError(f"go mod download k8s.io/kubelet failed: {result.stderr[-2000:]}")
-    directory = Path(json.loads(result.stdout)["Dir"])
-    return directory / "pkg" / "apis" / "deviceplugin" / "v1beta1" / "api.proto"
+    return Path(json.loads(result.stdout)["Dir"])
 
 
-def compile_messages(proto: Path, out_dir: Path) -> ModuleType:
-    """The C{api_pb2} module protoc makes from C{proto}, imported from C{out_dir}."""
+def compile_messages(proto: Path, out_dir: Path,
+                     stem: str = "deviceplugin_v1beta1") -> ModuleType:
+    """
+    The C{STEM_pb2} module protoc makes from C{proto} (copied to
+    C{out_dir/STEM.proto}), imported from C{out_dir}.
+    """
     from grpc_tools import protoc
 
-    (out_dir / "deviceplugin_v1beta1.proto").write_bytes(proto.read_bytes())
+    (out_dir / f"{stem}.proto").write_bytes(proto.read_bytes())
     status = protoc.main(["protoc", f"-I{out_dir}", f"--python_out={out_dir}",
-                          str(out_dir / "deviceplugin_v1beta1.proto")])
+                          str(out_dir / f"{stem}.proto")])
     if status != 0:
         raise AssertionError(f"protoc failed on {proto} ({status})")
-    name = "deviceplugin_v1beta1_pb2"
+    name = f"{stem}_pb2"
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, out_dir / f"{name}.py")
@@ -98,6 +110,21 @@ def cdi_spec(devices: dict[str, Path]) -> dict[str, Any]:
             for device_id, node in sorted(devices.items(), key=lambda item: int(item[0]))
         ],
     }
+
+
+def gpu_nodes(node_dir: Path, count: int) -> dict[str, Path]:
+    """
+    C{count} fake GPUs: character device nodes C{node_dir/nvidiaN} of
+    NVIDIA's major (195, N), made if absent, by their minor as a string.
+    """
+    devices = {}
+    node_dir.mkdir(parents=True, exist_ok=True)
+    for minor in range(count):
+        node = node_dir / f"nvidia{minor}"
+        if not node.exists():
+            os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(NVIDIA_MAJOR, minor))
+        devices[str(minor)] = node
+    return devices
 
 
 class DevicePlugin:
@@ -126,13 +153,7 @@ class DevicePlugin:
         self.at_host_path = at_host_path
         self.cdi_dir = cdi_dir
         self.socket = DEVICE_PLUGIN_DIR / f"{name}.sock"
-        self.devices: dict[str, Path] = {}
-        node_dir.mkdir(parents=True, exist_ok=True)
-        for minor in range(count):
-            node = node_dir / f"nvidia{minor}"
-            if not node.exists():
-                os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(NVIDIA_MAJOR, minor))
-            self.devices[str(minor)] = node
+        self.devices = gpu_nodes(node_dir, count)
         self.cdi_file = cdi_dir / "hostpid-test-nvidia.json" if cdi_dir is not None else None
         #: Allocate calls seen, each the device IDs of each container.
         self.allocations: list[list[list[str]]] = []

@@ -38,7 +38,7 @@ def merge(base: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
 
 
 def upgrade(config: helm.Config, chart: helm.Chart, values: dict[str, Any], *, reuse: str,
-            dry_run: str | None = None) -> Any:
+            dry_run: str | None = None, name: str = RELEASE, namespace: str = NAMESPACE) -> Any:
     """
     Helm's upgrade of the release with C{values} and the value flag C{reuse}.
     helm-python-sdk 0.2.2 (the version C{setup.cfg} pins) binds Helm's upgrade
@@ -52,13 +52,13 @@ def upgrade(config: helm.Config, chart: helm.Chart, values: dict[str, Any], *, r
 
     flags = {"--reuse-values": "reuse_values", "--reset-values": "reset_values",
              "--reset-then-reuse-values": "reset_then_reuse_values"}
-    options: dict[str, Any] = {"namespace": NAMESPACE, "timeout_seconds": 300, flags[reuse]: True}
+    options: dict[str, Any] = {"namespace": namespace, "timeout_seconds": 300, flags[reuse]: True}
     if dry_run is not None:
         options["dry_run"] = dry_run
     handle, reference = helm.Config._chart_args(chart)
     payload = _native.call_string(
         "helm_upgrade", config._raw(), helm.Config._context_arg(None), handle, reference,
-        RELEASE, json.dumps(values), json.dumps(options))
+        name, json.dumps(values), json.dumps(options))
     return _loads_obj(payload)
 
 
@@ -97,12 +97,14 @@ class Paths:
 
 
 class Release:
-    """One Helm release of the chart in L{NAMESPACE}."""
+    """One Helm release of the chart, C{name} in C{namespace} (L{RELEASE} in L{NAMESPACE})."""
 
-    def __init__(self, kube: Cluster, repository: str, tag: str) -> None:
+    def __init__(self, kube: Cluster, repository: str, tag: str, name: str = RELEASE,
+                 namespace: str = NAMESPACE) -> None:
         self.kube = kube
+        self.name, self.namespace = name, namespace
         self.paths = Paths(kube)
-        self.config = helm.Config(kubeconfig_path=kube.kubeconfig, namespace=NAMESPACE)
+        self.config = helm.Config(kubeconfig_path=kube.kubeconfig, namespace=namespace)
         #: The values given at install, as docs/rollout.md step 1 gives them.
         self.base = merge(sets(f"image.repository={repository}", f"image.tag={tag}",
                                "hostPIDBroker.enabled=false"), self.paths.values())
@@ -110,11 +112,12 @@ class Release:
 
     def install(self, *expressions: str, chart: Path = CHART) -> Any:
         """C{helm install} of C{chart} (this one, or the chart as it was at an earlier commit)."""
-        self.kube.namespace(NAMESPACE, {"pod-security.kubernetes.io/enforce": "privileged"})
+        self.kube.namespace(self.namespace,
+                            {"pod-security.kubernetes.io/enforce": "privileged"})
         values = merge(copy.deepcopy(self.base), sets(*expressions)) if expressions else \
             copy.deepcopy(self.base)
         with helm.Chart.load(chart) as loaded:
-            result = self.config.install(loaded, RELEASE, values, namespace=NAMESPACE,
+            result = self.config.install(loaded, self.name, values, namespace=self.namespace,
                                          timeout=300)
         self.revisions.append(values)
         return result
@@ -127,20 +130,20 @@ class Release:
         """
         with helm.Chart.load(CHART) as chart:
             return upgrade(self.config, chart, sets(*expressions), reuse=reuse,
-                           dry_run=dry_run)
+                           dry_run=dry_run, name=self.name, namespace=self.namespace)
 
     def rollback(self, version: int | None = None) -> None:
-        self.config.rollback(RELEASE, version=version, timeout=300)
+        self.config.rollback(self.name, version=version, timeout=300)
 
     def uninstall(self) -> None:
-        self.config.uninstall(RELEASE, ignore_not_found=True, timeout=300, wait="watcher")
+        self.config.uninstall(self.name, ignore_not_found=True, timeout=300, wait="watcher")
 
     def values(self) -> Any:
-        return self.config.get_values(RELEASE)
+        return self.config.get_values(self.name)
 
     def rollout(self, kind: str, name: str, timeout: str = "180s") -> str:
         """C{kubectl rollout status}, as the docs run it."""
-        return self.kube.kubectl("-n", NAMESPACE, "rollout", "status", f"{kind}/{name}",
+        return self.kube.kubectl("-n", self.namespace, "rollout", "status", f"{kind}/{name}",
                                  f"--timeout={timeout}", timeout=400)
 
     def close(self) -> None:

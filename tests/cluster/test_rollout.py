@@ -42,10 +42,16 @@ import pytest
 import workloads
 from cluster import Cluster
 from deviceplugin import DevicePlugin
+from kernelfeatures import kernel_feature
 from release import NAMESPACE, Release
 from support import wait_for
 from test_userns_cri import OVERFLOW_UID, PROLOGUE
 from test_userns_cri import facts as userns_facts
+
+#: The NRI plugin gives a GPU container the broker only on a broker mountpoint it could make
+#: immutable: where /tmp's filesystem has no such attribute, these tests say so by name.
+pytestmark = kernel_feature("immutable_tmp")
+
 
 RESTRICTED = "gpu-restricted"
 PRIVILEGED = "gpu-privileged"

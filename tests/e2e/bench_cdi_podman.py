@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -29,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent.parent)]
 
 from podmanlib import CdiNode  # noqa: E402
-from support import hostpid_argv, running_broker, subprocess_env  # noqa: E402
+from support import hostpid_argv, remove_tree, running_broker, subprocess_env  # noqa: E402
 
 
 def main() -> int:
@@ -71,8 +70,8 @@ def main() -> int:
                     times[kind].append(run.seconds)
     finally:
         node.close()
-        shutil.rmtree(workdir, ignore_errors=True)
-        shutil.rmtree(home, ignore_errors=True)
+        remove_tree(workdir, ignore_errors=True)
+        remove_tree(home, ignore_errors=True)
     summary = {
         kind: {"runs": len(values), "median_s": round(statistics.median(values), 4),
                "min_s": round(min(values), 4), "max_s": round(max(values), 4)}

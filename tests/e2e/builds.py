@@ -18,8 +18,15 @@ copy.  The result is assembled in a temporary directory beside the final
 one and renamed into place, so a build that fails or is interrupted leaves
 nothing that looks finished; a later run reuses what is there.
 
-Run as a script (C{python tests/e2e/builds.py [NAME...]}) to build ahead of
-the tests and print each build's versions and time.
+Go's own caches (the module cache and the build cache) live under the same
+cache directory (L{go_caches}) unless C{GOMODCACHE} or C{GOCACHE} say
+otherwise, so that a cache directory pointed at an empty one
+(C{HOSTPID_KERNEL_CACHE}) starts every build cold.
+
+Run as a script (C{python tests/e2e/builds.py [NAME...]}) to build these ahead
+of the tests and print each build's versions and time; C{tests/prebuild.py}
+(what C{.ci/run} runs) builds them with everything else the suite builds or
+fetches.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ import attrs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernels.debian import CACHE  # noqa: E402
+from kernels.debian import CACHE, filling  # noqa: E402
 
 #: A cold build on this project's 2-core machines takes minutes (CRI-O most).
 BUILD_TIMEOUT = 3600.0
@@ -106,10 +113,21 @@ CRIO = GoBuild(
 BUILDS = {build.name: build for build in (RUNC, CONTAINERD, CRIO)}
 
 
+def go_caches(cache: Path = CACHE) -> dict[str, str]:
+    """
+    Go's module and build caches: C{GOMODCACHE} and C{GOCACHE} from the
+    environment, else under C{cache} (C{go/mod}, C{go/build}).  Go makes the
+    module cache read-only: C{go clean -modcache} (or C{chmod -R u+w}) first
+    to delete it.
+    """
+    return {"GOMODCACHE": os.environ.get("GOMODCACHE") or str(cache / "go" / "mod"),
+            "GOCACHE": os.environ.get("GOCACHE") or str(cache / "go" / "build")}
+
+
 def _go_env(home: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update({"GOFLAGS": "-mod=mod", "GOTOOLCHAIN": env.get("GOTOOLCHAIN", "local"),
-                "HOME": env.get("HOME", str(home))})
+                "HOME": env.get("HOME", str(home)), **go_caches(home.parent)})
     return env
 
 
@@ -171,21 +189,10 @@ def obtain(build: GoBuild, cache: Path = CACHE) -> Path:
     final = cache / build.key
     if (final / "build.json").is_file():
         return final
-    cache.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{build.key}-", dir=cache))
-    try:
+    with filling(final, "build.json") as staging:
         record = build_into(build, staging, _go_env(staging))
         (staging / "build.json").write_text(json.dumps(record, indent=2) + "\n")
         os.chmod(staging, 0o755)
-        try:
-            staging.rename(final)
-        except OSError:
-            # Another run finished the same build first: keep its copy.
-            if not (final / "build.json").is_file():
-                raise
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
     return final
 
 
@@ -193,6 +200,22 @@ def recorded(build: GoBuild, cache: Path = CACHE) -> dict[str, object] | None:
     """What the cached build of C{build} recorded, or C{None} if it is not built."""
     path = cache / build.key / "build.json"
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+def describe(build: GoBuild, directory: Path) -> list[str]:
+    """One line per binary of C{build} in C{directory}: its own account of its version."""
+    lines = []
+    for binary in (recorded(build, directory.parent) or {}).get("binaries", []):  # type: ignore[union-attr]
+        path = directory / "bin" / str(binary)
+        if binary == "pinns":
+            lines.append(f"{binary}: (C, from the same tree; it has no version flag)")
+            continue
+        flag = "-v" if binary == "containerd-shim-runc-v2" else "--version"
+        shown = subprocess.run([str(path), flag], capture_output=True, text=True, check=False)
+        printed = [line.strip() for line in (shown.stdout or shown.stderr).splitlines()]
+        versioned = [line for line in printed if "version" in line.lower()]
+        lines.append(f"{binary}: {(versioned or printed or ['?'])[0]}")
+    return lines
 
 
 def main(argv: Sequence[str]) -> int:
@@ -204,17 +227,8 @@ def main(argv: Sequence[str]) -> int:
         record = recorded(build) or {}
         print(f"{build.key}: {directory} (built in {record.get('seconds')} s with "
               f"{record.get('go')}; this run {time.monotonic() - started:.1f} s)", flush=True)
-        for binary in record.get("binaries", []):  # type: ignore[union-attr]
-            path = directory / "bin" / str(binary)
-            if binary == "pinns":
-                print(f"  {binary}: (C, from the same tree; it has no version flag)", flush=True)
-                continue
-            flag = "-v" if binary == "containerd-shim-runc-v2" else "--version"
-            shown = subprocess.run([str(path), flag], capture_output=True, text=True,
-                                   check=False)
-            lines = [line.strip() for line in (shown.stdout or shown.stderr).splitlines()]
-            versioned = [line for line in lines if "version" in line.lower()]
-            print(f"  {binary}: {(versioned or lines or ['?'])[0]}", flush=True)
+        for line in describe(build, directory):
+            print(f"  {line}", flush=True)
     return 0
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ from podmanlib import CdiNode
 from support import (
     BrokerProcess,
     hostpid_argv,
+    remove_tree,
     require_root,
     running_broker,
     subprocess_env,
@@ -53,7 +53,7 @@ def cdi_node() -> Iterator[CdiNode]:
         yield node
     finally:
         node.close()
-        shutil.rmtree(workdir, ignore_errors=True)
+        remove_tree(workdir, ignore_errors=True)
 
 
 @pytest.fixture

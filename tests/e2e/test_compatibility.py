@@ -48,7 +48,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,7 +55,7 @@ from pathlib import Path
 import pytest
 from clienttools import build_c_client
 from podmanlib import RootlessPodman
-from support import require_root, require_tool, running_broker, skip_or_fail
+from support import remove_tree, require_root, require_tool, running_broker, skip_or_fail
 from test_runc import (
     WORKLOAD_UID,
     ContainerRun,
@@ -192,7 +191,7 @@ def workdir() -> Iterator[Path]:
     try:
         yield path
     finally:
-        shutil.rmtree(path, ignore_errors=True)
+        remove_tree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -150,27 +151,45 @@ def test_pod_annotation_device_is_not_a_gpu(kubelet: Kubelet, gpu_node: GpuNode,
     assert Adjustment.of(strict) == NOTHING
 
 
-@pytest.fixture
-def gpu_allowed(cri_image: Path, cri_messages: ModuleType) -> Iterator[tuple[Crio, GpuNode]]:
-    """
-    A CRI-O whose operator listed a GPU device node in C{allowed_devices}
-    (the misconfiguration docs/nri.md forbids), a broker on a private node.
-    """
-    with private_node() as node, gpu_on(node) as gpu, \
-            running_crio(cri_image, cri_messages, RUNTIMES["crio"].oci_binary(),
-                         allowed_devices=(str(gpu.device),)) as crio:
-        yield crio, gpu
+#: What the operator lists in C{allowed_devices}: the GPU's node (195:0), or
+#: NVIDIA's control node (C{/dev/nvidiactl}, 195:255), which shares the GPUs'
+#: major and is no GPU.
+ALLOWED_MINORS = {"gpu": 0, "nvidiactl": 255}
 
 
-def test_allowed_gpu_device_lets_any_pod_take_a_gpu(gpu_allowed: tuple[Crio, GpuNode]) -> None:
+@pytest.fixture(params=sorted(ALLOWED_MINORS))
+def gpu_allowed(request: pytest.FixtureRequest, cri_image: Path,
+                cri_messages: ModuleType) -> Iterator[tuple[Crio, GpuNode, Path]]:
+    """
+    A CRI-O whose operator listed an NVIDIA device node in C{allowed_devices}
+    (for a GPU's node, the misconfiguration docs/nri.md forbids), a broker on
+    a private node; the node allowed.
+    """
+    with private_node() as node, gpu_on(node) as gpu:
+        allowed = gpu.device
+        if request.param != "gpu":
+            allowed = gpu.device.parent / request.param
+            os.mknod(allowed, 0o666 | stat.S_IFCHR,
+                     os.makedev(NVIDIA_MAJOR, ALLOWED_MINORS[request.param]))
+        with running_crio(cri_image, cri_messages, RUNTIMES["crio"].oci_binary(),
+                          allowed_devices=(str(allowed),)) as crio:
+            yield crio, gpu, allowed
+
+
+def test_allowed_gpu_device_lets_any_pod_take_a_gpu(
+        gpu_allowed: tuple[Crio, GpuNode, Path]) -> None:
     """
     The misconfiguration: a GPU device node in C{allowed_devices} while the
     default handler allows the annotation.  Then any pod's annotation gives
     it that GPU, with no allocation, and to NRI it is a GPU container like
     any other (the plugin adjusts it): nothing at the runtime tells it from
     a device plugin's.  docs/nri.md says an operator must not do this.
+    NVIDIA's control node allowed instead (a pod annotating itself
+    C{/dev/nvidiactl} at C{/dev/nvidia0}: 195:255 there) is no GPU: the
+    plugin gives it nothing.
     """
-    crio, node = gpu_allowed
+    crio, node, allowed = gpu_allowed
+    minor = os.minor(os.stat(allowed).st_rdev)
     kubelet = Kubelet(crio)
     from support import wait_for
     from test_nri_containerd import probe
@@ -179,11 +198,11 @@ def test_allowed_gpu_device_lets_any_pod_take_a_gpu(gpu_allowed: tuple[Crio, Gpu
     try:
         wait_for(lambda: probe(kubelet, node) == adjusted(node.node),
                  "the plugin to adjust a GPU container", 30.0)
-        spec = created_spec(kubelet, forging_pod("taken", f"{node.device}:/dev/nvidia0:rw"))
+        spec = created_spec(kubelet, forging_pod("taken", f"{allowed}:/dev/nvidia0:rw"))
     finally:
         started.stop()
-    assert devices_at(spec, "/dev/nvidia0") == [("c", NVIDIA_MAJOR, 0)]
-    assert Adjustment.of(spec) == adjusted(node.node)
+    assert devices_at(spec, "/dev/nvidia0") == [("c", NVIDIA_MAJOR, minor)]
+    assert Adjustment.of(spec) == (adjusted(node.node) if minor == 0 else NOTHING)
 
 
 def cdi_spec(kubelet: Kubelet, device: Path | None, name: str) -> None:

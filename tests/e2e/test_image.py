@@ -45,11 +45,14 @@ from typing import Any
 import imagelib
 import pytest
 import yaml
+from kernelfeatures import kernel_feature
 from support import REPO, ask_pid, require_root, wait_for
 
 from hostpid import __version__
 
-pytestmark = [pytest.mark.privileged, pytest.mark.cap(1800)]
+#: The NRI plugin gives a GPU container the broker only on a broker mountpoint it could make
+#: immutable: where /tmp's filesystem has no such attribute, these tests say so by name.
+pytestmark = [pytest.mark.privileged, pytest.mark.cap(1800), kernel_feature("immutable_tmp")]
 
 DAEMONSET = REPO / "deploy" / "kubernetes" / "20-daemonset.yaml"
 GATE = "LIBVGPU_HOSTPID_BROKER"

@@ -59,6 +59,7 @@ from crilib import (
     wait_exited,
 )
 from criolib import Crio
+from kernelfeatures import kernel_feature
 from support import (
     TWISTD,
     BrokerProcess,
@@ -75,7 +76,9 @@ from hostpid.gate import GATE_ENV
 #: A CRI runtime under test: containerd or CRI-O, the same interface.
 Runtime = Containerd | Crio
 
-pytestmark = pytest.mark.privileged
+#: The NRI plugin gives a GPU container the broker only on a broker mountpoint it could make
+#: immutable: where /tmp's filesystem has no such attribute, these tests say so by name.
+pytestmark = [pytest.mark.privileged, kernel_feature("immutable_tmp")]
 
 WORKLOAD_UID = 1000
 
@@ -412,7 +415,19 @@ def kubelet(daemon: Runtime) -> Kubelet:
 @pytest.fixture
 def plugin(daemon: Runtime, gpu_node: GpuNode, kubelet: Kubelet) -> Iterator[Plugin]:
     """The plugin, connected: a GPU container created after this is adjusted."""
-    started = Plugin(daemon, gpu_node.node, daemon.workdir / f"plugin-{uuid.uuid4().hex[:6]}.log")
+    with adjusting_plugin(daemon, gpu_node, kubelet) as started:
+        yield started
+
+
+@contextmanager
+def adjusting_plugin(daemon: Runtime, gpu_node: GpuNode, kubelet: Kubelet,
+                     options: Sequence[str] = ()) -> Iterator[Plugin]:
+    """
+    A plugin given C{options}, yielded once a GPU container is adjusted;
+    stopped after, and its log must hold no traceback.
+    """
+    started = Plugin(daemon, gpu_node.node, daemon.workdir / f"plugin-{uuid.uuid4().hex[:6]}.log",
+                     options)
     try:
         wait_adjusting(kubelet, gpu_node, started)
         yield started

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kernelfeatures import kernel_feature
 from nrigolib import (
     NRI_RELEASES,
     NriPrograms,
@@ -35,7 +36,9 @@ from support import TWISTD, require_root, subprocess_env
 from hostpid import defaults
 from hostpid.gate import GATE_ENV
 
-pytestmark = pytest.mark.privileged
+#: The NRI plugin gives a GPU container the broker only on a broker mountpoint it could make
+#: immutable: where /tmp's filesystem has no such attribute, these tests say so by name.
+pytestmark = [pytest.mark.privileged, kernel_feature("immutable_tmp")]
 
 
 @pytest.fixture(scope="module", params=sorted(NRI_RELEASES))

@@ -24,6 +24,18 @@ Why each check exists:
   directory read-only too): the program does not run, or runs with the
   caller's own euid.
 
+- HAMi's device plugin makes the lock parent 0777 on every allocation, so
+  the sticky bit that kept a UID 1000 tenant from renaming root's entry is
+  gone at any moment, also between the plugin's look (and repair) and the
+  runtime's mount: with a chmod every 0.2 s and a tenant looping (rename,
+  remove, symlink to C{/etc}, file), 22-24 of 30 containers got the broker
+  over their own C{/etc} and 1-4 lost their broker mount after starting.
+  L{test_hami_node_chmod_loop_and_tenant_loop} runs that node on every cell of
+  the runtime matrix, the window held open by a second NRI plugin
+  (L{nriwindow}) that makes the lock parent 0777 and waits for the tenant to
+  act before the runtime mounts: 0 containers with the broker anywhere but at
+  its own C{/tmp/vgpulock/hostpid}, 0 broker mounts lost, every one served.
+
 The victim containers here may escalate privileges (C{allowPrivilegeEscalation}
 unset, as Pod Security C{baseline} allows): with C{no_new_privs} the kernel
 ignores a set-user-ID bit anyway and the test could not fail.
@@ -31,21 +43,32 @@ ignores a set-user-ID bit anyway and the test could not fail.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import subprocess
+import sys
 import tempfile
+import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import attrs
 import kubeletlib
+import nriwindow
 import pytest
-from crilib import IMAGE_ETC_MARKER
-from support import require_tool
+from crilib import IMAGE_ETC_MARKER, read_cri_log, wait_exited
+from kernelfeatures import kernel_feature
+from support import as_user_argv, release_immutable, require_tool, subprocess_env, wait_for
 from test_nri_containerd import (
     GO_FILE,
     NOTHING,
+    NRI_CELLS,
+    OCI_CELLS,
     SCRIPT,
     WORKLOAD_UID,
     Adjustment,
@@ -58,18 +81,22 @@ from test_nri_containerd import (
     gpu_node,
     kubelet,
     plugin,
+    probe,
     restricted_pod,
     run_pod,
+    wait_running_pid,
 )
 
-from hostpid import defaults
+from hostpid import defaults, fileattr
 from hostpid.nri.decision import OPT_OUT_KEY, OPT_OUT_VALUE
 
 # The module fixtures of test_nri_containerd, used here by name: the same
 # runtimes (the NRI cells), node, kubelet and plugin.
 __all__ = ["daemon", "gpu_node", "kubelet", "plugin"]
 
-pytestmark = pytest.mark.privileged
+#: The NRI plugin gives a GPU container the broker only on a broker mountpoint it could make
+#: immutable: where /tmp's filesystem has no such attribute, these tests say so by name.
+pytestmark = [pytest.mark.privileged, kernel_feature("immutable_tmp")]
 
 #: Set-user-ID bit and permissions the planting container's root gives its program.
 SETUID_MODE = "4755"
@@ -127,6 +154,9 @@ def tenant_replaces_mountpoint(kubelet: Kubelet, gpu_node: GpuNode, replace: str
     C{replace} in the lock parent.
     """
     device_plugin_allocates(gpu_node)
+    # As an older release left it: without the immutable attribute, which would refuse
+    # the tenant's rename (test_hami_node_chmod_loop_and_tenant_loop).
+    release_immutable(gpu_node.node.lock_parent / "hostpid")
     moved = f"moved-{uuid.uuid4().hex[:8]}"  # a new name: mv into a directory is no rename
     script = wait_go(f"cd {defaults.LOCK_PARENT} && /bin/busybox mv -T hostpid {moved} && "
                      f"{replace} && echo replaced && ls -la {defaults.LOCK_PARENT}")
@@ -171,9 +201,10 @@ def assert_sound(done: PodRun, gpu_node: GpuNode) -> None:
 def test_tenant_cannot_break_the_next_gpu_container(
         kubelet: Kubelet, gpu_node: GpuNode, plugin: Plugin) -> None:
     """
-    A file, then a symlink to C{/etc}, at C{<lock parent>/hostpid}: the next
+    A file, then a symlink to C{/etc}, at C{<lock parent>/hostpid} (made
+    without the immutable attribute, as an older release left it): the next
     GPU container starts each time, with its own C{/etc}; the plugin
-    repaired the entry (it is root's directory again) and says so.
+    repaired the entry (it is root's immutable directory again) and says so.
     """
     tenant_replaces_mountpoint(kubelet, gpu_node, "echo planted > hostpid")
     after_file = victim(kubelet, gpu_node, "after-file")
@@ -189,6 +220,11 @@ def test_tenant_cannot_break_the_next_gpu_container(
     assert not (gpu_node.node.lock_parent / "hostpid").is_symlink()
     assert entry.st_uid == 0 and oct(entry.st_mode & 0o7777) == oct(0o755)
     assert oct(os.stat(gpu_node.node.lock_parent).st_mode & 0o7777) == oct(0o1777)
+    held = os.open(gpu_node.node.lock_parent / "hostpid", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert fileattr.is_immutable(held), "repaired and made immutable"
+    finally:
+        os.close(held)
     assert plugin.output().count("repaired the broker mountpoint") == 2, plugin.output()
 
 
@@ -276,3 +312,217 @@ def test_setuid_program_planted_in_the_lock_parent(
     broker = mount_options(called.stdout, defaults.CONTAINER_BROKER_DIRECTORY)
     assert {"rw", "nosuid", "nodev", "noexec"} <= lock_parent, lock_parent
     assert {"ro", "nosuid", "nodev", "noexec"} <= broker, broker
+
+
+# -- a HAMi node: the lock parent made 0777 again and again, a tenant in a loop -------------
+
+#: GPU containers created on each cell while the loops run.
+HAMI_CONTAINERS = 12
+#: Seconds between two chmods of the lock parent to 0777 (HAMi's device plugin
+#: does one at every allocation).
+CHMOD_EVERY = 0.2
+#: The window plugin's index: after hostpid's (L{PLUGIN_NAME}'s 90).
+WINDOW_INDEX = "95"
+
+#: A container that stays up until the go-ahead: its own C{/etc} at start,
+#: then, after the loops ran on, the broker mount and the broker's answer.
+HELD = ('echo "etc-socket $(if [ -e /etc/broker.sock ]; then echo yes; else echo no; fi)"; '
+        f'echo "etc-image $(if [ -e {IMAGE_ETC_MARKER} ]; then echo yes; else echo no; fi)"; '
+        f"i=0; while [ ! -e {GO_FILE} ]; do i=$((i+1)); [ $i -gt 12000 ] && exit 3; "
+        "sleep 0.05; done; "
+        'echo "broker-mounts $(grep -c " /tmp/vgpulock/hostpid " /proc/self/mountinfo)"; '
+        'if [ -S /tmp/vgpulock/hostpid/broker.sock ]; then echo "socket present"; '
+        'else echo "socket absent"; fi; '
+        "exec /bin/hostpid_client")
+
+
+@attrs.define
+class Held:
+    """One GPU container of the HAMi run, from creation to its exit."""
+
+    pod: str
+    sandbox_id: str
+    sandbox: Any
+    container_id: str = ""
+    config: Any = None
+    adjustment: Adjustment | None = None
+    host_pid: int = 0
+    start_error: str = ""
+    #: Mount points of the broker directory in the container (from the host),
+    #: once started and once the loops ran on.
+    broker_at_start: tuple[str, ...] = ()
+    broker_at: tuple[str, ...] = ()
+    stdout: str = ""
+    exit_code: int | None = None
+
+    def lines(self, key: str) -> list[str]:
+        return [line.partition(" ")[2] for line in self.stdout.splitlines()
+                if line.partition(" ")[0] == key]
+
+
+def broker_mountpoints(host_pid: int, broker_dir: Path) -> tuple[str, ...]:
+    """
+    Where the container of C{host_pid} has the broker directory mounted: its
+    mountinfo's bind mounts whose root is the broker directory (same device,
+    root path ending as the broker directory's does).
+    """
+    device = os.stat(broker_dir).st_dev
+    wanted = f"{os.major(device)}:{os.minor(device)}"
+    found = []
+    for line in Path(f"/proc/{host_pid}/mountinfo").read_text().splitlines():
+        fields = line.split()
+        if fields[2] == wanted and (fields[3] == str(broker_dir)
+                                    or fields[3].endswith("/" + "/".join(broker_dir.parts[-3:]))):
+            found.append(fields[4])
+    return tuple(found)
+
+
+@contextmanager
+def hami_node(gpu_node: GpuNode, daemon: Any, workdir: Path) -> Iterator[dict[str, Any]]:
+    """
+    The loops of a HAMi node on C{gpu_node}: the device plugin's chmod every
+    L{CHMOD_EVERY} s, a UID 1000 tenant (L{nriwindow.TENANT}), and the window
+    plugin at L{WINDOW_INDEX}.  Yields what they report (the tenant's counts
+    once stopped, in C{"tenant"}; the window log's path, C{"windows"}).
+    """
+    lock_parent = gpu_node.node.lock_parent
+    share = Path(tempfile.mkdtemp(prefix="hostpid-tenant-", dir=workdir))
+    os.chmod(share, 0o755)
+    rounds = share / "rounds"
+    rounds.write_bytes(b"\0" * 8)
+    os.chown(rounds, WORKLOAD_UID, WORKLOAD_UID)
+    stop = share / "stop"
+    report: dict[str, Any] = {"windows": share / "windows.log"}
+    halt = threading.Event()
+
+    def device_plugin() -> None:
+        while not halt.wait(CHMOD_EVERY):
+            os.chmod(lock_parent, 0o777)
+
+    chmods = threading.Thread(target=device_plugin, daemon=True)
+    tenant = subprocess.Popen(
+        as_user_argv(WORKLOAD_UID, [sys.executable, "-c", nriwindow.TENANT, str(lock_parent),
+                                    str(rounds), str(stop)]),
+        env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with open(report["windows"], "wb") as window_log:
+        assert daemon.nri_socket is not None
+        window = subprocess.Popen(
+            [sys.executable, str(Path(nriwindow.__file__)), str(daemon.nri_socket), WINDOW_INDEX,
+             str(lock_parent), str(rounds)], env=subprocess_env(), stdout=window_log,
+            stderr=subprocess.STDOUT)
+    chmods.start()
+    try:
+        yield report
+    finally:
+        halt.set()
+        chmods.join()
+        stop.touch()
+        out, err = tenant.communicate(timeout=60)
+        window.terminate()
+        window.wait(15)
+        assert tenant.returncode == 0, err
+        report["tenant"] = json.loads(out)
+
+
+def windows(log: Path) -> dict[str, tuple[int, int]]:
+    """The window plugin's windows by pod name: the tenant's rounds before and after."""
+    found = {}
+    for line in log.read_text().splitlines():
+        if line.startswith("{"):
+            window = json.loads(line)
+            found[window["pod"]] = (window["before"], window["after"])
+    return found
+
+
+@pytest.mark.parametrize("daemon", [*NRI_CELLS, *OCI_CELLS], indirect=True)
+def test_hami_node_chmod_loop_and_tenant_loop(
+        request: pytest.FixtureRequest, daemon: Any, kubelet: Kubelet, gpu_node: GpuNode,
+        plugin: Plugin) -> None:
+    """
+    A node whose device plugin makes the lock parent 0777 every 0.2 s, a UID
+    1000 tenant renaming, removing and replacing C{<lock parent>/hostpid} in a
+    loop (symlink to C{/etc}, file), and L{HAMI_CONTAINERS} GPU containers
+    created meanwhile, each through a window (L{nriwindow}) in which the lock
+    parent was made 0777 and the tenant finished a round after hostpid's
+    answer and before the runtime's mount; then the loops run on while every
+    container is up.  No container has the broker anywhere but at its own
+    C{/tmp/vgpulock/hostpid}, none fails to start, none loses its broker
+    mount, and each is served (its client gets its host PID).
+    """
+    started = time.monotonic()
+    broker_dir = gpu_node.node.broker_dir
+    held: list[Held] = []
+    with hami_node(gpu_node, daemon, daemon.workdir) as report:
+        def called() -> dict[str, tuple[int, int]]:
+            # Only a call to the window plugin: where the tenant wins the window
+            # (the old code), CRI-O fails the probe's creation, which is no matter here.
+            with contextlib.suppress(Exception):
+                probe(kubelet, gpu_node, "window-probe")
+            return windows(report["windows"])
+
+        # The window plugin is called once the runtime has synchronized it.
+        wait_for(called, "the window plugin to be called", 30.0)
+        try:
+            for index in range(HAMI_CONTAINERS):
+                pod = restricted_pod(f"hami-{index}")
+                pod["spec"]["containers"][0]["command"] = ["/bin/sh", "-c", HELD]
+                sandbox_id, sandbox = kubelet.sandbox(pod)
+                one = Held(pod["metadata"]["name"], sandbox_id, sandbox)
+                held.append(one)
+                try:
+                    # CRI-O runs the OCI runtime's create at CreateContainer, containerd
+                    # at StartContainer: a mount the runtime refuses fails either.
+                    one.container_id, one.config = kubelet.create(pod, sandbox_id, sandbox,
+                                                                  [gpu_node.allocation()])
+                    one.adjustment = Adjustment.of(kubelet.spec(one.container_id))
+                    kubelet.cri.runtime("StartContainer", container_id=one.container_id)
+                    one.host_pid = wait_running_pid(kubelet, one.container_id)
+                    one.broker_at_start = broker_mountpoints(one.host_pid, broker_dir)
+                except Exception as error:  # noqa: BLE001 - a failed start is what is counted
+                    one.start_error = str(error).splitlines()[0][:300]
+            # The loops run on over every running container: one more window's worth.
+            os.chmod(gpu_node.node.lock_parent, 0o777)
+            before = nriwindow.rounds(str(report["windows"].parent / "rounds"))
+            wait_for(lambda: nriwindow.rounds(str(report["windows"].parent / "rounds"))
+                     >= before + 2, "the tenant to finish a round after the last start", 30.0)
+            for one in held:
+                if one.host_pid:
+                    one.broker_at = broker_mountpoints(one.host_pid, broker_dir)
+                    Path(f"/proc/{one.host_pid}/root{GO_FILE}").touch()
+        finally:
+            for one in held:
+                if one.host_pid:
+                    with contextlib.suppress(Exception):
+                        one.exit_code = wait_exited(kubelet.cri, one.container_id).status.exit_code
+                if one.container_id:
+                    with contextlib.suppress(Exception):
+                        kubelet.remove(one.container_id)
+                        one.stdout = read_cri_log(
+                            Path(one.sandbox.log_directory) / one.config.log_path)[0]
+                kubelet.remove_sandbox(one.sandbox_id)
+    seen = windows(report["windows"])
+    acted = [one.pod for one in held if seen.get(one.pod, (0, 0))[1] >= seen[one.pod][0] + 2]
+    canonical = (defaults.CONTAINER_BROKER_DIRECTORY,)
+    over_own_files = [(one.pod, one.broker_at_start) for one in held
+                      if set(one.broker_at_start + one.broker_at) - set(canonical)
+                      or one.lines("etc-socket") == ["yes"]]
+    failed = [(one.pod, one.start_error) for one in held if one.start_error]
+    adjusted_ones = [one for one in held if one.adjustment == adjusted(gpu_node.node)]
+    # Started with the broker where it belongs, and without it once the loops ran on.
+    lost = [one.pod for one in adjusted_ones if one.broker_at_start == canonical and (
+        one.broker_at != canonical or one.lines("socket") != ["present"])]
+    served = [one.pod for one in adjusted_ones
+              if one.exit_code == 0 and one.lines("socket") == ["present"]
+              and one.lines("etc-image") == ["yes"]]
+    print(f"\n[hami] {request.node.callspec.id}: "
+          f"{len(held)} containers, windows the tenant acted in {len(acted)}, "
+          f"broker over their own files {len(over_own_files)}, failed to start {len(failed)}, "
+          f"broker mounts lost after start {len(lost)}, served {len(served)}; "
+          f"tenant {report['tenant']}; {time.monotonic() - started:.1f} s")
+    assert len(acted) == HAMI_CONTAINERS, (seen, [one.pod for one in held])
+    assert over_own_files == [], over_own_files
+    assert failed == [], failed
+    assert lost == [], lost
+    assert report["tenant"]["renamed_root_dir"] == 0, report["tenant"]
+    assert len(served) == HAMI_CONTAINERS, [(one.pod, one.adjustment, one.stdout)
+                                            for one in held if one.pod not in served]

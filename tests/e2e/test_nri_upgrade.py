@@ -53,6 +53,7 @@ from typing import Any
 import attrs
 import pytest
 from crilib import Containerd, Containerds, grpc_module
+from kernelfeatures import kernel_feature
 from nrilib import NRIPluginProcess
 from support import REPO, wait_for
 from test_nri_containerd import (  # noqa: F401 (gpu_node: a fixture)
@@ -64,7 +65,9 @@ from test_nri_containerd import (  # noqa: F401 (gpu_node: a fixture)
     restricted_pod,
 )
 
-pytestmark = pytest.mark.privileged
+#: The NRI plugin gives a GPU container the broker only on a broker mountpoint it could make
+#: immutable: where /tmp's filesystem has no such attribute, these tests say so by name.
+pytestmark = [pytest.mark.privileged, kernel_feature("immutable_tmp")]
 
 
 @pytest.fixture(scope="module", params=["1.7", "2.1"])

@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -37,9 +36,12 @@ from typing import Any
 
 import attrs
 import pytest
+from kernelfeatures import kernel_feature
 from support import (
     REPO,
     hostpid_argv,
+    release_immutable,
+    remove_tree,
     require_root,
     require_tool,
     running_broker,
@@ -278,7 +280,7 @@ def runtime() -> Iterator[Runtime]:
     try:
         yield Runtime(runc, workdir)
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        remove_tree(workdir, ignore_errors=True)
 
 
 @attrs.frozen
@@ -310,7 +312,7 @@ def private_node() -> Iterator[Node]:
     try:
         yield Node(broker_dir=home / "run" / "hostpid", lock_parent=home / "tmp" / "vgpulock")
     finally:
-        shutil.rmtree(home)
+        remove_tree(home)
 
 
 def allocate(node: Node, gate: str, request: dict[str, Any] | None = None
@@ -554,23 +556,32 @@ RMDIR = ["/bin/sh", "-c",
          "rmdir /tmp/vgpulock/hostpid 2>&1 && echo removed || echo refused"]
 
 
-@pytest.mark.parametrize(("host_mount", "rbind"), [(False, True), (True, True), (True, False)])
-def test_root_workload_rmdir_of_the_mountpoint(runtime: Runtime, node: Node,
-                                               host_mount: bool, rbind: bool) -> None:
+@pytest.mark.parametrize(("host_mount", "rbind", "immutable"), [
+    (False, True, False), (True, True, False), (True, False, False),
+    pytest.param(False, True, True, marks=kernel_feature("immutable_tmp")),
+])
+def test_root_workload_rmdir_of_the_mountpoint(runtime: Runtime, node: Node, host_mount: bool,
+                                               rbind: bool, immutable: bool) -> None:
     """
     Measured: a UID 0 workload (no user namespace, no
     capability but CAP_KILL) whose allocation has no broker mount removes
-    C{/tmp/vgpulock/hostpid}; the broker mount of a running container on that
-    mountpoint is detached.  With a host-side read-only bind of the broker
+    C{/tmp/vgpulock/hostpid} where it is not immutable (as an older release
+    left it); the broker mount of a running container on that mountpoint is
+    detached.  With a host-side read-only bind of the broker
     directory on the mountpoint, and the lock parent bound recursively
     (rbind, as containerd's CRI does), the rmdir fails with EBUSY instead;
     bound non-recursively, the container does not get the host-side mount,
-    and its rmdir detaches it from the host and from every container.
+    and its rmdir detaches it from the host and from every container.  As
+    the allocation leaves it now, immutable, the rmdir fails with EPERM
+    (root's ownership no longer decides) and the running container keeps its
+    broker mount.
     """
     with running_broker(node.broker_dir):
         allocate(node, "1")
         off_mounts, off_envs, _ = allocate(node, "0")
         mountpoint = node.lock_parent / "hostpid"
+        if not immutable:
+            release_immutable(mountpoint)
         if host_mount:
             subprocess.run(["mount", "--bind", str(node.broker_dir), str(mountpoint)],
                            check=True)
@@ -585,9 +596,13 @@ def test_root_workload_rmdir_of_the_mountpoint(runtime: Runtime, node: Node,
             holder.close()
             if host_mount:
                 subprocess.run(["umount", "-l", str(mountpoint)], check=False)
-    print(f"[e2e] host mount {host_mount}, rbind {rbind}: {run.stdout.strip()!r}; running "
+    print(f"[e2e] host mount {host_mount}, rbind {rbind}, immutable {immutable}: "
+          f"{run.stdout.strip()!r}; running "
           f"container still sees broker.sock: {still_visible}")
-    if host_mount and rbind:
+    if immutable:
+        assert "Operation not permitted" in run.stdout and "refused" in run.stdout
+        assert still_visible
+    elif host_mount and rbind:
         assert "resource busy" in run.stdout and "refused" in run.stdout
         assert still_visible
     else:

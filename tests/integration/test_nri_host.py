@@ -24,16 +24,21 @@ Why each check exists:
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from kernelfeatures import kernel_feature
 from nrilib import FakeRuntime, NRIPluginProcess, container, gpu_container, host_tree, http_get, pod
-from support import WAIT_SECONDS, require_root, scaled, wait_for
+from support import WAIT_SECONDS, remove_tree, require_root, scaled, wait_for
 
 from hostpid.nri import api_pb2
+
+#: The NRI plugin gives a GPU container the broker only on a broker mountpoint it could make
+#: immutable: where /tmp's filesystem has no such attribute, these tests say so by name.
+pytestmark = kernel_feature("immutable_tmp")
+
 
 #: NRI's frame cap (ttrpc's C{messageLengthMax}), less room for the request's envelope.
 FRAME_CAP = 4 * 1024 * 1024 - 256
@@ -68,7 +73,7 @@ def test_ready_only_once_configured_and_while_the_lock_parent_exists(where: Path
         connection.synchronize()
         wait_for(lambda: readyz(where)[0] == 200, "ready once configured")
 
-        shutil.rmtree(lock_parent)
+        remove_tree(lock_parent)
         for _ in range(3):
             assert connection.create_container(pod(), gpu_container()).adjust == \
                 api_pb2.ContainerAdjustment()

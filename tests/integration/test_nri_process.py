@@ -25,8 +25,14 @@ import time
 from pathlib import Path
 
 import pytest
+from kernelfeatures import kernel_feature
 from nrilib import FakeRuntime, NRIPluginProcess, container, gpu_container, http_get, pod
 from support import WAIT_SECONDS, wait_for
+
+#: The NRI plugin gives a GPU container the broker only on a broker mountpoint it could make
+#: immutable: where /tmp's filesystem has no such attribute, these tests say so by name.
+pytestmark = kernel_feature("immutable_tmp")
+
 
 
 def rss_kib(pid: int) -> int:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -30,7 +29,9 @@ import pytest
 import usernspod
 from clienttools import build_c_client
 from kernelfeatures import kernel_feature
-from support import BrokerProcess, require_root, skip_or_fail, subprocess_env
+from support import BrokerProcess, remove_tree, require_root, skip_or_fail, subprocess_env
+
+from hostpid import fileattr
 
 pytestmark = pytest.mark.privileged
 
@@ -47,10 +48,10 @@ def c_client() -> Iterator[Path]:
     try:
         yield build_c_client(directory)
     finally:
-        shutil.rmtree(directory, ignore_errors=True)
+        remove_tree(directory, ignore_errors=True)
 
 
-def _run_pod(kind: str, c_client: Path) -> dict:
+def _run_pod(kind: str, c_client: Path, immutable: bool = False) -> dict:
     require_root()
     directory = Path(tempfile.mkdtemp(prefix="hostpid-userns-", dir="/tmp"))
     try:
@@ -66,6 +67,13 @@ def _run_pod(kind: str, c_client: Path) -> dict:
         lock_parent.mkdir()
         lock_parent.chmod(0o1777)
         (lock_parent / "hostpid").mkdir(mode=0o755)
+        if immutable:
+            # As every preparation leaves it now (hostpid.node.lockparent).
+            held = os.open(lock_parent / "hostpid", os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                assert fileattr.set_immutable(held).immutable
+            finally:
+                os.close(held)
         env = subprocess_env()
         with BrokerProcess(directory / "broker") as broker:
             broker.wait_listening()
@@ -102,7 +110,7 @@ def _run_pod(kind: str, c_client: Path) -> dict:
             result["broker_log"] = broker.output()
             return result
     finally:
-        shutil.rmtree(directory, ignore_errors=True)
+        remove_tree(directory, ignore_errors=True)
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -233,6 +241,21 @@ def test_lock_parent_idmapped_makes_pod_root_its_owner(pod: tuple[str, dict]) ->
         assert seen["lock_parent_left"]
 
 
+@pytest.mark.kernel
+@kernel_feature("idmapped_mounts", "immutable_tmp")
+def test_an_immutable_mountpoint_is_kept_from_the_idmapped_pods_root(c_client: Path) -> None:
+    """
+    The same pod root, through the same idmapped lock parent, owns the
+    mountpoint directory but cannot remove it once it is immutable (as every
+    preparation now leaves it): the kernel refuses an immutable inode's
+    removal before it asks who owns it, and the pod has no
+    C{CAP_LINUX_IMMUTABLE} in the initial user namespace to clear the flag.
+    """
+    seen = _run_pod("idmap", c_client, immutable=True)
+    assert seen["lock_parent"] == {"owner": 0, "rmdir": "EPERM"}, seen["lock_parent"]
+    assert seen["lock_parent_left"]
+
+
 def _start_neighbour(role: str, target: Path, source: Path, kind: str, base: int,
                      env: dict[str, str]) -> subprocess.Popen[str]:
     pod = subprocess.Popen(
@@ -299,4 +322,4 @@ def test_one_pod_with_cap_sys_admin_and_another_pods_client(kind: str) -> None:
             if pod is not None:
                 if pod.poll() is None:
                     pod.communicate("\n", timeout=30)
-        shutil.rmtree(directory, ignore_errors=True)
+        remove_tree(directory, ignore_errors=True)

@@ -16,15 +16,41 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
+import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import attrs
 
 #: Where downloads, unpacked packages and private apt state live.
 CACHE = Path(os.environ.get("HOSTPID_KERNEL_CACHE", "/var/cache/hostpid-kernels"))
+
+@contextmanager
+def filling(final: Path, marker: str) -> Iterator[Path]:
+    """
+    A temporary directory beside C{final} for the body to fill, renamed to
+    C{final} once the body has returned: a build or download that fails or is
+    interrupted leaves nothing that looks finished.  When another run put
+    C{final} (with its C{marker} file) in place first, that copy is kept.
+    Every cached build and download of the suite's components is made so.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    try:
+        yield staging
+        try:
+            staging.rename(final)
+        except OSError:
+            if not (final / marker).is_file():
+                raise
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
 
 #: Package lists older than this are refreshed (a new point release may
 #: have replaced the package the lists name, and the old .deb is gone).

@@ -7,7 +7,7 @@ With C{HOSTPID_REPEAT=N} in the environment, the guest's pytest runs each
 test N times in a row (tests/budget.py), the way to hunt a flake on the
 kernel that showed it::
 
-    HOSTPID_REPEAT=30 .venv/bin/python tests/kernels/run.py --kernel 6.16 --timeout 3600 -- \\
+    HOSTPID_REPEAT=30 .venv/bin/python tests/kernels/run.py --kernel 6.16 --budget 3600 -- \\
         -x -q tests/integration/test_attack_slow_sender.py
 
 Without pytest arguments it runs the kernel-sensitive subset
@@ -34,8 +34,8 @@ def main() -> int:
         help="the guest's PID 1: its own script, or the host's systemd (as test_systemd.py)",
     )
     parser.add_argument(
-        "--timeout", type=float, default=matrix.VM_TIMEOUT,
-        help="the VM's timeout in seconds (default: the matrix's, 1080)",
+        "--budget", type=float, default=matrix.VM_BUDGET,
+        help=f"the CPU seconds the VM's QEMU may use (default: the matrix's, {matrix.VM_BUDGET:g})",
     )
     parser.add_argument("pytest_args", nargs="*")
     options = parser.parse_args()
@@ -43,7 +43,7 @@ def main() -> int:
     for kernel in matrix.selected(options.kernel):
         run = matrix.run_kernel(
             kernel, options.pytest_args or None, init=options.init,
-            timeout=options.timeout,
+            budget=options.budget,
         )
         matrix.record(kernel, run)
         print(run.summary(), flush=True)

@@ -31,21 +31,27 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import attrs
+import load
 import pytest
 
 from kernels import debian, vm
 
 WORKTREE = Path(__file__).resolve().parent.parent.parent
 
+#: The host's collection of the subset, on a quiet machine (a few seconds),
+#: multiplied by the load measured when it starts (tests/load.py).
+COLLECT_TIMEOUT = 300.0
+
 
 @attrs.frozen
 class GuestJob:
-    """One VM run: a kernel, the guest's pytest arguments, a timeout, an init."""
+    """One VM run: a kernel, the guest's pytest arguments, a CPU budget, an init."""
 
     kernel: debian.Kernel
     #: C{None}: the kernel-sensitive subset (L{subset_arguments}).
     pytest_args: tuple[str, ...] | None
-    timeout: float
+    #: The CPU seconds its QEMU may use (L{vm.run}).
+    budget: float
     init: str = "script"
     #: Run tests/kernels/guest_canary.py after the tests.
     canary: bool = False
@@ -65,7 +71,8 @@ def subset_files(worktree: Path = WORKTREE) -> list[str]:
     listed = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "kernel",
          "-p", "no:cacheprovider", "tests"],
-        cwd=worktree, capture_output=True, text=True, timeout=300, check=False,
+        cwd=worktree, capture_output=True, text=True, timeout=COLLECT_TIMEOUT * load.factor(),
+        check=False,
         env={**{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},
              "HOSTPID_KERNEL_MATRIX": "0"},
     )
@@ -109,7 +116,7 @@ def run(job: GuestJob) -> vm.GuestRun:
         args = subset_arguments()
     unpacked = debian.obtain(job.kernel)
     return vm.run(
-        unpacked, args, WORKTREE, timeout=job.timeout, init=job.init, canary=job.canary
+        unpacked, args, WORKTREE, budget=job.budget, init=job.init, canary=job.canary
     )
 
 

@@ -233,3 +233,48 @@ def test_background_guests_run_two_at_a_time_and_a_lone_one_after_the_rest() -> 
     (lone_seen,) = [beside for series, beside in seen if series == "5"]
     assert lone_seen == {lone}, seen
     assert ended[-1] is lone and set(ended[:-1]) == set(jobs)
+
+
+def test_a_vm_is_capped_by_the_cpu_it_uses_not_the_clock(tmp_path: Path) -> None:
+    """
+    QEMU's cap is its progress, the CPU seconds its threads use: a busy
+    process (QEMU's part) is stopped once it has used its budget, whatever
+    the clock says, and the CPU it used is reported.
+    """
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        watched = vm._watch(busy, tmp_path, budget=0.5, poll=0.1)
+    finally:
+        busy.kill()
+        busy.wait()
+    assert watched.stopped is not None and watched.stopped.startswith("QEMU used its budget"), (
+        watched)
+    assert watched.cpu is not None and watched.cpu > 0.5
+
+
+def test_a_slow_vm_runs_on_and_a_stalled_one_is_stopped(tmp_path: Path) -> None:
+    """
+    A guest that uses almost no CPU but keeps writing results (a starved
+    one) is left to finish; one that neither uses CPU nor writes anything
+    (a guest kernel hung idle) is stopped as stalled.
+    """
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    writer = subprocess.Popen([
+        sys.executable, "-c",
+        "import sys, time\n"
+        "for n in range(40):\n"
+        "    open(sys.argv[1], 'w').write(str(n))\n"
+        "    time.sleep(0.1)\n",
+        str(slow / "pytest.log")])
+    watched = vm._watch(writer, slow, budget=100.0, stall=5.0, poll=0.1)
+    assert watched.stopped is None and writer.returncode == 0, watched
+    stalled = tmp_path / "stalled"
+    stalled.mkdir()
+    sleeper = subprocess.Popen(["sleep", "600"])
+    try:
+        watched = vm._watch(sleeper, stalled, budget=100.0, stall=2.0, poll=0.1)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert watched.stopped is not None and watched.stopped.startswith("stalled"), watched

@@ -12,6 +12,9 @@ when C{HOSTPID_KERNEL_MATRIX=1} or C{HOSTPID_REQUIRE_PRIVILEGED=1} (CI:
 C{.ci/run}); otherwise each test says so and skips.  C{HOSTPID_KERNEL_MATRIX=0}
 switches it off explicitly (the guests set it, so a guest never boots another).
 A test fails naming the guest tests that failed, or why the VM gave no results.
+Each guest is capped by its progress (the CPU seconds its QEMU uses,
+L{vm.run}), not by the clock: its host test has no wall-time cap of its own
+(C{cap(None)}, tests/budget.py), and its boot time is reported, not bounded.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import json
 
 import pytest
 
-from kernels import debian, guest_canary, matrix, schedule, vm
+from kernels import debian, guest_canary, matrix, schedule
 
 #: The kernel whose guest also runs the canary (tests/kernels/guest_canary.py).
 CANARY_KERNEL = debian.KERNELS[1]
@@ -32,7 +35,7 @@ ORDER = sorted(debian.KERNELS, key=lambda kernel: kernel.series not in ("6.12", 
 
 #: Each kernel's guest: the kernel-sensitive subset.
 JOBS = {
-    kernel: matrix.job(kernel, timeout=matrix.VM_TIMEOUT, canary=kernel == CANARY_KERNEL)
+    kernel: matrix.job(kernel, budget=matrix.VM_BUDGET, canary=kernel == CANARY_KERNEL)
     for kernel in ORDER
 }
 
@@ -40,7 +43,7 @@ JOBS = {
 @pytest.mark.parametrize(
     "kernel",
     [
-        pytest.param(kernel, marks=[pytest.mark.guest(job), pytest.mark.cap(job.timeout + 60)])
+        pytest.param(kernel, marks=[pytest.mark.guest(job), pytest.mark.cap(None)])
         for kernel, job in JOBS.items()
     ],
     ids=[k.name for k in ORDER],
@@ -54,13 +57,10 @@ def test_kernel_sensitive_tests_pass_on(kernel: debian.Kernel) -> None:
     matrix.record(kernel, run)
     problem = matrix.problem(run)
     assert problem is None, f"{kernel.name} ({run.package}): {problem}"
-    assert run.boot_seconds is not None and run.boot_seconds < vm.BOOT_BOUND, (
-        f"{kernel.name} took {run.boot_seconds} s to boot (bound {vm.BOOT_BOUND} s)"
-    )
 
 
 @pytest.mark.guest(JOBS[CANARY_KERNEL])
-@pytest.mark.cap(JOBS[CANARY_KERNEL].timeout + 60)
+@pytest.mark.cap(None)
 def test_guest_writes_never_reach_the_host() -> None:
     """
     After its tests, the 6.1 guest writes the host's C{/tmp/vgpulock/hostpid}

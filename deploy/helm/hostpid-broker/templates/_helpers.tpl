@@ -189,3 +189,50 @@ app.kubernetes.io/component: nri-plugin
 {{ include "hostpid-broker.nriSelector" . }}
 {{ include "hostpid-broker.releaseLabels" . }}
 {{- end }}
+
+{{- /* The DaemonSets' affinity: the operator's `affinity`, with the GPU nodes (gpuNodes: label
+       maps, ORed) as required node affinity.  Node selector terms are ORed and the
+       expressions of one term ANDed, so an operator's own required terms are ANDed with the
+       GPU nodes' by pairing each of theirs with each of ours (their expressions first).
+       YAML, "{}" when there is nothing to render. */ -}}
+{{- define "hostpid-broker.affinity" -}}
+{{- $affinity := deepCopy (.Values.affinity | default dict) }}
+{{- $gpuTerms := list }}
+{{- range .Values.gpuNodes }}
+{{- $expressions := list }}
+{{- range $key, $value := . }}
+{{- $expressions = append $expressions (dict "key" $key "operator" "In" "values" (list $value)) }}
+{{- end }}
+{{- $gpuTerms = append $gpuTerms (dict "matchExpressions" $expressions) }}
+{{- end }}
+{{- if $gpuTerms }}
+{{- $nodeAffinity := $affinity.nodeAffinity | default dict }}
+{{- $required := $nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution | default dict }}
+{{- $terms := $gpuTerms }}
+{{- with $required.nodeSelectorTerms }}
+{{- $terms = list }}
+{{- range $own := . }}
+{{- range $gpu := $gpuTerms }}
+{{- $term := deepCopy $own }}
+{{- $_ := set $term "matchExpressions" (concat ($own.matchExpressions | default list) $gpu.matchExpressions) }}
+{{- $terms = append $terms $term }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- $_ := set $required "nodeSelectorTerms" $terms }}
+{{- $_ := set $nodeAffinity "requiredDuringSchedulingIgnoredDuringExecution" $required }}
+{{- $_ := set $affinity "nodeAffinity" $nodeAffinity }}
+{{- end }}
+{{- toYaml $affinity }}
+{{- end }}
+
+{{- /* gpuNodes as an operator reads it: "gpu=on OR nvidia.com/gpu.present=true". */ -}}
+{{- define "hostpid-broker.gpuNodesText" -}}
+{{- $maps := list }}
+{{- range .Values.gpuNodes }}
+{{- $pairs := list }}
+{{- range $key, $value := . }}{{ $pairs = append $pairs (printf "%s=%s" $key $value) }}{{ end }}
+{{- $maps = append $maps (join "," $pairs) }}
+{{- end }}
+{{- join " OR " $maps | default "none: gpuNodes is empty" }}
+{{- end }}
