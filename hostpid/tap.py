@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import gc
 import math
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +20,7 @@ from hostpid.broker.refusal import RefuseInOneLine, refuse_in_one_line
 from hostpid.broker.reload import Reloader
 from hostpid.broker.sdnotify import ReadinessNotifier
 from hostpid.broker.service import BrokerService
+from hostpid.version import VersionOption
 
 #: Bounds of the numeric options: beyond them a value is a typo, and far
 #: beyond them it overflows the kernel's types.
@@ -53,7 +53,7 @@ def _seconds(option: str, value: object) -> float:
     return number
 
 
-class Options(usage.Options):
+class Options(VersionOption, usage.Options):
     synopsis = "[options]"
     longdesc = (
         "Serve the host PID broker: a Unix socket that tells each caller its own "
@@ -111,15 +111,6 @@ class Options(usage.Options):
          "Rotated log files kept beside --logfile (twistd rotates it at 1 MB and on SIGUSR1; "
          "by itself it keeps every one)."],
     ]
-
-    def opt_version(self) -> None:
-        """Print hostpid's version (as hostpid --version does), then Twisted's, and exit."""
-        from hostpid.version import version_line
-        from twisted import copyright
-
-        print(version_line())
-        print(f"Twisted {copyright.version}")
-        sys.exit(0)
 
     def postOptions(self) -> None:
         """

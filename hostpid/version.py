@@ -1,6 +1,7 @@
 """
 The version a user reads: C{hostpid --version} and C{twistd hostpid-broker
---version} print the same line from here.
+--version} (and C{hostpid-nri}'s, C{hostpid-webhook}'s) print the same line
+from here.
 """
 
 from __future__ import annotations
@@ -32,3 +33,23 @@ def version_line() -> str:
     import hostpid
 
     return f"hostpid {hostpid.__version__}"
+
+
+class VersionOption:
+    """
+    C{--version} for a twistd plugin's C{usage.Options} (put it first among
+    the bases): hostpid's line, as C{hostpid --version} prints it, then
+    Twisted's, instead of Twisted's alone (C{usage.Options.opt_version}), so
+    that an operator asking any of the three services learns which hostpid
+    runs.
+    """
+
+    def opt_version(self) -> None:
+        """Print hostpid's version (as hostpid --version does), then Twisted's, and exit."""
+        import sys
+
+        from twisted import copyright
+
+        print(version_line())
+        print(f"Twisted {copyright.version}")
+        sys.exit(0)

@@ -183,14 +183,15 @@ RENDERS: dict[str, dict[str, Any]] = {
 # --- the chart itself ---------------------------------------------------------------
 
 
-def test_chart_version_follows_the_distribution() -> None:
-    setup = configparser.ConfigParser()
-    setup.read(REPO / "setup.cfg")
-    version = setup["metadata"]["version"]
+def test_chart_metadata() -> None:
+    """
+    The chart's own C{version} is held by C{test_chart_version.py} (it
+    changes with every change to the chart); C{appVersion} follows the
+    distribution's version there too.
+    """
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     assert chart["apiVersion"] == "v2"
     assert chart["name"] == "hostpid-broker"
-    assert (chart["version"], chart["appVersion"]) == (version, version)
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
@@ -269,6 +270,47 @@ def test_every_object_carries_the_standard_labels(case: str) -> None:
         labels = doc["metadata"]["labels"]
         assert expected.items() <= labels.items(), (case, doc.get("kind", "pod template"))
         assert labels.items() >= RENDERS[case].get("commonLabels", {}).items()
+
+
+#: Every part of the chart on: the broker, the webhook (Helm's certificates, or
+#: cert-manager's), the NRI plugin and the Prometheus Operator's objects.
+EVERY_PART = sets("hostPIDBroker.enabled=true", "webhook.enabled=true", "webhook.gate=true",
+                  "nri.enabled=true", "nri.gate=true", "podMonitor.enabled=true",
+                  "serviceMonitor.enabled=true", "commonLabels.example\\.com/team=gpu")
+PARTS = {"hostpid-broker": "broker", "hostpid-webhook": "webhook", "hostpid-nri": "nri-plugin"}
+
+
+@pytest.mark.parametrize("certificates", ["helm", "cert-manager"])
+def test_every_object_of_every_part_carries_the_release_labels(certificates: str) -> None:
+    """
+    What docs/operations.md promises of every object: the release's
+    instance, version, managed-by, part-of and chart labels and
+    C{commonLabels}, on the webhook's and the NRI plugin's objects and pods
+    as on the broker's (C{kubectl get all -l app.kubernetes.io/instance=R}
+    finds the whole release); each part has its own name and component.
+    """
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    release = {"app.kubernetes.io/instance": RELEASE,
+               "app.kubernetes.io/version": chart["appVersion"],
+               "app.kubernetes.io/managed-by": "Helm", "app.kubernetes.io/part-of": "hostpid",
+               "helm.sh/chart": f"hostpid-broker-{chart['version']}",
+               "example.com/team": "gpu"}
+    values = EVERY_PART if certificates == "helm" else \
+        merge(EVERY_PART, sets("webhook.certManager.enabled=true"))
+    docs = render(values)
+    pods = [doc["spec"]["template"] for doc in docs if doc["kind"] in ("DaemonSet", "Deployment")]
+    assert len(pods) == 3
+    missing = []
+    for doc in [*docs, *pods]:
+        labels = doc["metadata"]["labels"]
+        where = (doc.get("kind", "pod template"), labels.get("app.kubernetes.io/name"))
+        if not release.items() <= labels.items():
+            missing.append((where, sorted(set(release) - {k for k in release
+                                                           if labels.get(k) == release[k]})))
+        elif PARTS.get(labels["app.kubernetes.io/name"]) != labels.get(
+                "app.kubernetes.io/component"):
+            missing.append((where, "app.kubernetes.io/component"))
+    assert missing == []
 
 
 def test_monitors_scrape_the_brokers_metrics_port() -> None:
@@ -444,10 +486,10 @@ def test_notes_tell_the_operator_how_to_check_a_node() -> None:
     assert f"hostpid probe --socket {BROKER_DIRECTORY}/broker.sock" in text
     assert "The gate is OFF (hostPIDBroker.enabled=false)" in text
     assert "kubectl label namespace hostpid pod-security.kubernetes.io/enforce=privileged" in text
-    assert "--reuse-values --set hostPIDBroker.enabled=true" in text
+    assert "--reset-then-reuse-values --set hostPIDBroker.enabled=true" in text
     enabled = notes(RENDERS["enabled"])
     assert "The gate is ON (hostPIDBroker.enabled=true)" in enabled
-    assert "--reuse-values --set hostPIDBroker.enabled=false" in enabled
+    assert "--reset-then-reuse-values --set hostPIDBroker.enabled=false" in enabled
     assert "The gate is ON (devicePlugin.hostPIDBroker.enabled=true)" in \
         notes(RENDERS["enabled by the design's names"])
 
@@ -623,9 +665,9 @@ def test_the_schema_refuses_a_mistyped_value_before_rendering(case: str) -> None
 # --- rollout and rollback in chart terms (docs/rollout.md) -----------------------------
 
 #: docs/rollout.md: helm install --set image.repository=... --set
-#: hostPIDBroker.enabled=false, then helm upgrade --reuse-values --set
+#: hostPIDBroker.enabled=false, then helm upgrade --reset-then-reuse-values --set
 #: hostPIDBroker.enabled=true (the design's rollout step 3), then the same with
-#: false (rollback step 1).  --reuse-values: each upgrade keeps the values before it.
+#: false (rollback step 1).  --reset-then-reuse-values: each upgrade keeps the values before it.
 INSTALLED = sets("image.repository=registry.internal/hostpid/hostpid-broker",
                  "hostPIDBroker.enabled=false")
 STEPS = {

@@ -208,7 +208,7 @@ def test_a_resource_the_plugin_accepts_renders(value: str) -> None:
     ("webhook.gate=true",), ("nri.gate=true",), ("webhook.gate=true", "nri.gate=true"), ()])
 def test_the_notes_rollback_is_accepted_step_by_step(gates: tuple[str, ...]) -> None:
     """
-    With the broker and any gate on, each C{helm upgrade --reuse-values}
+    With the broker and any gate on, each C{helm upgrade --reset-then-reuse-values}
     the NOTES give renders in its turn (the chart refuses the broker off
     while a gate is on: a single "broker off" was refused), the last turns
     the broker off, and the webhook is named where it runs.
@@ -216,8 +216,9 @@ def test_the_notes_rollback_is_accepted_step_by_step(gates: tuple[str, ...]) -> 
     values = sets("hostPIDBroker.enabled=true", "webhook.enabled=true", "nri.enabled=true",
                   *gates)
     text = notes(values)
-    commands = [line.split("--reuse-values", 1)[1].split() for line in text.splitlines()
-                if line.strip().startswith("helm upgrade")]
+    rollback = text.split("Roll back", 1)[1]  # before it, the NOTES name a gate still off
+    commands = [line.split("--reset-then-reuse-values", 1)[1].split()
+                for line in rollback.splitlines() if line.strip().startswith("helm upgrade")]
     assert commands and all(c[::2] == ["--set"] * (len(c) // 2) for c in commands), commands
     for command in commands:
         values = merge(values, sets(*command[1::2]))
@@ -228,6 +229,39 @@ def test_the_notes_rollback_is_accepted_step_by_step(gates: tuple[str, ...]) -> 
     assert "hostpid-webhook" in text.split("Roll back", 1)[1]
     if "webhook.gate=true" in gates:
         assert "MutatingWebhookConfiguration hostpid-webhook-hostpid" in text
+
+
+@pytest.mark.parametrize("parts", [("nri.enabled=true",),
+                                   ("nri.enabled=true", "webhook.enabled=true")])
+def test_the_notes_lead_the_nri_path_to_its_gate(parts: tuple[str, ...]) -> None:
+    """
+    Installed with the NRI plugin and every gate off, an operator who runs
+    each command the NOTES give, in turn, ends with the broker and
+    C{nri.gate} on (the NOTES once stopped at the broker and never named the
+    plugin's gate); and on the NRI path neither the rollout nor the rollback
+    sends them to a device plugin's allocation side, which is not in use.
+    """
+    values = sets(*parts)
+    walked = []
+    while True:
+        text = notes(values)
+        assert "device plugin" not in text, text
+        forward = [line.split("--reset-then-reuse-values", 1)[1].split()
+                   for line in text.splitlines()
+                   if line.strip().startswith("helm upgrade") and "=true" in line]
+        if not forward:
+            break
+        command = forward[0]
+        assert command[::2] == ["--set"] * (len(command) // 2), command
+        walked.append(command[1::2])
+        values = merge(values, sets(*command[1::2]))
+        render(values)
+        assert len(walked) <= 3, walked
+    assert walked[0] == ["hostPIDBroker.enabled=true"], walked
+    assert "nri.gate=true" in walked[1], walked
+    assert gate(values) == "1" and values["nri"]["gate"] is True
+    rollback = notes(values).split("Roll back", 1)[1]
+    assert "--set nri.gate=false" in rollback
 
 
 def test_probes_are_exec_probes_on_the_pods_loopback() -> None:

@@ -21,12 +21,13 @@ from hostpid import defaults, logs
 from hostpid.admission.decision import MODES, Config
 from hostpid.admission.service import REQUEST_TIMEOUT, make_site
 from hostpid.gate import gate_enabled
+from hostpid.version import VersionOption
 
 DEFAULT_RESOURCE = "nvidia.com/gpu"
 MAX_TIMEOUT = 60.0
 
 
-class Options(usage.Options):
+class Options(VersionOption, usage.Options):
     synopsis = "--endpoint ENDPOINT [--resource NAME]... [--mode cdi|mounts]"
     longdesc = (
         "Serve the admission webhook that gives GPU pods the host PID broker: POST /mutate "

@@ -27,6 +27,7 @@ from hostpid import defaults
 from hostpid.gate import gate_enabled
 from hostpid.nri.decision import DEFAULT_RESOURCES, Config, Signal, parse_resource
 from hostpid.nri.plugin import DEFAULT_INDEX, REGISTRATION_TIMEOUT
+from hostpid.version import VersionOption
 
 DEFAULT_SOCKET = "/var/run/nri/nri.sock"
 #: Seconds between two looks at the host (L{hostpid.nri.service.Adjuster.look})
@@ -48,7 +49,7 @@ INDEX = re.compile(r"[0-9]{2}")
 DRAIN = 1.0
 
 
-class Options(usage.Options):
+class Options(VersionOption, usage.Options):
     synopsis = ("[--nri-socket PATH | --nri-fd N] [--plugin-index NN] [--resource SIGNAL]... "
                 "[--metrics ENDPOINT] [--health ENDPOINT] [--drain S]")
     longdesc = (

@@ -11,6 +11,7 @@ C{/var/run/hami}), and the image is the one imported into containerd.
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,31 @@ def merge(base: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
     from test_chart import merge as helm_merge
 
     return helm_merge(base, more)
+
+
+def upgrade(config: helm.Config, chart: helm.Chart, values: dict[str, Any], *, reuse: str,
+            dry_run: str | None = None, name: str = RELEASE, namespace: str = NAMESPACE) -> Any:
+    """
+    Helm's upgrade of the release with C{values} and the value flag C{reuse}.
+    helm-python-sdk 0.2.2 (the version C{setup.cfg} pins) binds Helm's upgrade
+    with every value flag in its native options (C{reset_then_reuse_values}
+    among them: an unknown key is refused by name), but its Python signature
+    names only C{reuse_values} and C{reset_values}: this calls the same
+    native function with the flag the docs give.
+    """
+    from helm_python import _native
+    from helm_python.config import _loads_obj
+
+    flags = {"--reuse-values": "reuse_values", "--reset-values": "reset_values",
+             "--reset-then-reuse-values": "reset_then_reuse_values"}
+    options: dict[str, Any] = {"namespace": namespace, "timeout_seconds": 300, flags[reuse]: True}
+    if dry_run is not None:
+        options["dry_run"] = dry_run
+    handle, reference = helm.Config._chart_args(chart)
+    payload = _native.call_string(
+        "helm_upgrade", config._raw(), helm.Config._context_arg(None), handle, reference,
+        name, json.dumps(values), json.dumps(options))
+    return _loads_obj(payload)
 
 
 class Paths:
@@ -84,24 +110,27 @@ class Release:
                                "hostPIDBroker.enabled=false"), self.paths.values())
         self.revisions: list[dict[str, Any]] = []
 
-    def install(self, *expressions: str) -> Any:
+    def install(self, *expressions: str, chart: Path = CHART) -> Any:
+        """C{helm install} of C{chart} (this one, or the chart as it was at an earlier commit)."""
         self.kube.namespace(self.namespace,
                             {"pod-security.kubernetes.io/enforce": "privileged"})
         values = merge(copy.deepcopy(self.base), sets(*expressions)) if expressions else \
             copy.deepcopy(self.base)
-        with helm.Chart.load(CHART) as chart:
-            result = self.config.install(chart, self.name, values, namespace=self.namespace,
+        with helm.Chart.load(chart) as loaded:
+            result = self.config.install(loaded, self.name, values, namespace=self.namespace,
                                          timeout=300)
         self.revisions.append(values)
         return result
 
-    def upgrade(self, *expressions: str) -> Any:
-        """C{helm upgrade --reuse-values --set ...}, as the docs write it."""
+    def upgrade(self, *expressions: str, reuse: str = "--reset-then-reuse-values",
+                dry_run: str | None = None) -> Any:
+        """
+        C{helm upgrade --reset-then-reuse-values --set ...} to this chart, as the
+        docs write it; C{reuse="--reuse-values"} is the flag they had before.
+        """
         with helm.Chart.load(CHART) as chart:
-            result = self.config.upgrade(chart, self.name, sets(*expressions),
-                                         namespace=self.namespace, reuse_values=True,
-                                         timeout=300)
-        return result
+            return upgrade(self.config, chart, sets(*expressions), reuse=reuse,
+                           dry_run=dry_run, name=self.name, namespace=self.namespace)
 
     def rollback(self, version: int | None = None) -> None:
         self.config.rollback(self.name, version=version, timeout=300)

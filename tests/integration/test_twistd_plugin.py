@@ -296,10 +296,12 @@ def test_cdi_refusal_alone_on_stderr(tmp_path: Path) -> None:
     assert list((tmp_path / "real-cdi").iterdir()) == []
 
 
-def test_version_is_hostpids() -> None:
+@pytest.mark.parametrize("plugin", ["hostpid-broker", "hostpid-nri", "hostpid-webhook"])
+def test_version_is_hostpids(plugin: str) -> None:
     """
-    C{twistd hostpid-broker --version}: this package's version first, the
-    line C{hostpid --version} prints (not Twisted's version alone), then
+    C{twistd PLUGIN --version}, for each of the project's three plugins:
+    this package's version first, the line C{hostpid --version} prints (the
+    NRI plugin's and the webhook's printed Twisted's version alone), then
     Twisted's.
     """
     from twisted import copyright
@@ -308,7 +310,7 @@ def test_version_is_hostpids() -> None:
                              capture_output=True, text=True, timeout=60)
     assert hostpid.returncode == 0 and hostpid.stdout.startswith("hostpid "), hostpid
     done = subprocess.run(
-        [*TWISTD, "hostpid-broker", "--version"], env=subprocess_env(),
+        [*TWISTD, plugin, "--version"], env=subprocess_env(),
         capture_output=True, text=True, timeout=60,
     )
     assert done.returncode == 0, done.stderr

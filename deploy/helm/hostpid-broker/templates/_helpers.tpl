@@ -17,6 +17,14 @@ component; for a part of the release other than the broker, add its own componen
 */}}
 {{- define "hostpid-broker.commonLabels" -}}
 app.kubernetes.io/name: hostpid-broker
+{{ include "hostpid-broker.releaseLabels" . }}
+{{- end }}
+
+{{/*
+The labels of the release on every object of every part (broker, webhook, NRI plugin): which
+release, which version of the software and of the chart, who manages it, plus commonLabels.
+*/}}
+{{- define "hostpid-broker.releaseLabels" -}}
 app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
@@ -169,10 +177,7 @@ app.kubernetes.io/component: webhook
 
 {{- define "hostpid-broker.webhookLabels" -}}
 {{ include "hostpid-broker.webhookSelector" . }}
-app.kubernetes.io/part-of: hostpid
-{{- with .Values.commonLabels }}
-{{ toYaml . }}
-{{- end }}
+{{ include "hostpid-broker.releaseLabels" . }}
 {{- end }}
 
 {{- define "hostpid-broker.nriSelector" -}}
@@ -182,10 +187,7 @@ app.kubernetes.io/component: nri-plugin
 
 {{- define "hostpid-broker.nriLabels" -}}
 {{ include "hostpid-broker.nriSelector" . }}
-app.kubernetes.io/part-of: hostpid
-{{- with .Values.commonLabels }}
-{{ toYaml . }}
-{{- end }}
+{{ include "hostpid-broker.releaseLabels" . }}
 {{- end }}
 
 {{- /* The DaemonSets' affinity: the operator's `affinity`, with the GPU nodes (gpuNodes: label
