@@ -41,6 +41,8 @@ from support import REPO, skip_or_fail, wait_for
 from test_rollout import RESTRICTED, Loop, failures
 from test_rollout import images as images  # noqa: F401  (the module's fixture, shared)
 
+from hostpid.node.lockparent import prepare_lock_parent
+
 #: The earlier chart: the NRI plugin's first chart (fixture 12-b9d413c's state).
 EARLIER = "b9d413c"
 
@@ -88,6 +90,12 @@ def test_upgrade_from_an_earlier_chart_while_gpu_pods_query(
     # allow by name; the earlier chart had no such value (its schema refuses it): given on
     # the upgrade instead, as an operator with such a node would.
     outside_tmp = release.base["nri"].pop("allowLockParentOutsideTmp")
+    # The earlier chart runs today's image (no image of its era is built here), whose plugin
+    # gives the broker mount only on an immutable mountpoint, and that chart's plugin has no
+    # CAP_LINUX_IMMUTABLE to seal it: root's preparation on the node seals it, as
+    # `hostpid allocate` and the units' `hostpid prepare-lock-parent` do on a node.
+    prepared = prepare_lock_parent(str(release.paths.lock_parent), broker_enabled=True)
+    assert prepared.mountpoint_immutable, prepared.immutable_problem
     release.install("hostPIDBroker.enabled=true", "nri.enabled=true", chart=earlier_chart)
     print(release.rollout("daemonset", "hostpid-broker"))
     print(release.rollout("daemonset", "hostpid-nri"))
