@@ -29,6 +29,8 @@ from typing import Any
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 LOADGEN_SOURCE = BENCH / "loadgen.c"
+#: The fair yardstick: a C server doing the broker's work per connection.
+YARDSTICK_SOURCE = BENCH / "yardstick.c"
 #: Where every tool writes its report by default: one folder per UTC day,
 #: one entry per run in it.  Reports are generated and kept out of docs/,
 #: which holds the guides; docs/performance.md names the latest.
@@ -63,12 +65,11 @@ def default_report(kind: str, suffix: str = "") -> Path:
     return REPORTS / now.strftime("%Y-%m-%d") / f"{kind}-{now.strftime('%H%M%SZ')}{suffix}"
 
 
-def build_loadgen(out_dir: Path, source: Path = LOADGEN_SOURCE) -> Path:
+def build_c(out_dir: Path, source: Path, name: str) -> Path:
     """
-    Compile C{source} (by default C{bench/loadgen.c}; another generator
-    with the same closed-loop options and JSON fields will do) with the
-    system compiler (C{$CC}, default C{cc}).  C: a Python generator would
-    cost more CPU per transaction than the server it measures.
+    Compile C{source} into C{out_dir/name} with the system compiler (C{$CC},
+    default C{cc}): the load generator and the C yardstick are built the
+    same way, by this one function.
     """
     compiler = os.environ.get("CC", "cc")
     if shutil.which(compiler) is None:
@@ -77,11 +78,41 @@ def build_loadgen(out_dir: Path, source: Path = LOADGEN_SOURCE) -> Path:
             "the load generator is C so that it is never the bottleneck"
         )
     out_dir.mkdir(parents=True, exist_ok=True)
-    binary = out_dir / "loadgen"
+    binary = out_dir / name
     subprocess.run(
         [compiler, "-O2", "-Wall", "-o", str(binary), str(source), "-lm"], check=True
     )
     return binary
+
+
+def build_loadgen(out_dir: Path, source: Path = LOADGEN_SOURCE) -> Path:
+    """
+    Compile C{source} (by default C{bench/loadgen.c}; another generator
+    with the same closed-loop options and JSON fields will do).  C: a
+    Python generator would cost more CPU per transaction than the server
+    it measures.
+    """
+    return build_c(out_dir, source, "loadgen")
+
+
+def build_yardstick(out_dir: Path, source: Path = YARDSTICK_SOURCE) -> Path:
+    """
+    Compile C{bench/yardstick.c}, the C server that makes the broker's
+    system calls per connection (see its header): the fair yardstick.
+    """
+    return build_c(out_dir, source, "yardstick")
+
+
+def yardstick_command(binary: Path, mode: str) -> str:
+    """
+    A L{ServerProcess} command line for the yardstick in descriptor mode
+    C{mode} (C{refused} or C{received}), with the broker's limit, deadline
+    and listen backlog.
+    """
+    return (
+        f"{shlex.quote(str(binary))} --mode {mode} --socket {{socket}} "
+        "--limit {max_connections} --deadline {deadline} --backlog 1024"
+    )
 
 
 def raise_nofile(want: int = NOFILE_WANTED) -> None:
