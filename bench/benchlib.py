@@ -9,8 +9,12 @@ whatever server it is given, so it must not depend on the code it measures.
 
 from __future__ import annotations
 
+import datetime
+import hashlib
+import importlib.metadata
 import json
 import os
+import platform
 import resource
 import shlex
 import shutil
@@ -385,6 +389,82 @@ def run_json_many(
     if failure is not None:
         raise RuntimeError(failure)
     return results
+
+
+# --- Evidence: what produced the figures. ---
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 16), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def command_output(argv: list[str]) -> str:
+    """A command's stdout, stripped; empty when it fails or is missing."""
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=20, check=False,
+                              cwd=REPO, env={**os.environ, "GIT_OPTIONAL_LOCKS": "0"})
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def revision() -> dict[str, Any]:
+    """The source revision; read-only git calls (no index refresh)."""
+    head = command_output(["git", "rev-parse", "HEAD"])
+    status = command_output(["git", "status", "--porcelain", "--untracked-files=no"])
+    return {"commit": head or None, "dirty": bool(status) if head else None,
+            "dirty_files": status.splitlines()[:50]}
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def machine_environment() -> dict[str, Any]:
+    """The machine, the interpreter and the revision a report was measured on."""
+    cpu_model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    hostpid_origin = command_output([
+        sys.executable, "-c", "import hostpid, twisted; print(hostpid.__file__)",
+    ])
+    try:
+        somaxconn = Path("/proc/sys/net/core/somaxconn").read_text().strip()
+    except OSError:
+        somaxconn = None
+    return {
+        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "kernel": platform.release(),
+        "kernel_version": platform.version(),
+        "machine": platform.machine(),
+        "cpu_model": cpu_model,
+        "cpu_count": os.cpu_count(),
+        "cpus_available": sorted(os.sched_getaffinity(0)),
+        "loadavg_end": os.getloadavg(),
+        "python": sys.version.split()[0],
+        "python_executable": sys.executable,
+        "packages": {
+            name: _version(name)
+            for name in ("hostpid-broker", "twisted", "zope.interface", "attrs", "matplotlib")
+        },
+        "hostpid_imported_from": hostpid_origin or None,
+        "cc": command_output([os.environ.get("CC", "cc"), "--version"]).splitlines()[:1],
+        "somaxconn": somaxconn,
+        "rlimit_nofile": resource.getrlimit(resource.RLIMIT_NOFILE),
+        "revision": revision(),
+    }
 
 
 # --- Progress on stderr. ---
