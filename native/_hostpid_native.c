@@ -528,6 +528,169 @@ native_release(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLong(RELEASE_CLOSED);
 }
 
+
+PyDoc_STRVAR(accept_batch_doc,
+"accept_batch(listener, count, size, received, oobinline) -> (list, int)\n"
+"\n"
+"The listening port's accept turn, its system calls made here: up to count\n"
+"times accept4(listener, SOCK_CLOEXEC), and on each connection the first\n"
+"read the fast path makes of it.  Mode refused (received false): recv of\n"
+"up to size bytes with MSG_DONTWAIT, as recv().  Mode received: as read()\n"
+"without room (SO_OOBINLINE first if oobinline, a peek with no control\n"
+"buffer, and a read of exactly what it found if it met no descriptor).\n"
+"\n"
+"Returns the connections, each (fd, data, peer): data is the bytes read\n"
+"(b'' at end of file), None when nothing is waiting yet (EAGAIN), an int\n"
+"errno when the read failed otherwise, or () when descriptors are waiting\n"
+"(mode received: nothing read).  peer is SO_PEERCRED's PID when data is\n"
+"None (the waiting room's key), else -1 (-1 too where the kernel\n"
+"refuses).  And why the turn ended: 0 (count reached), EAGAIN (the queue\n"
+"is empty), or accept's errno (resource errors and fatal ones: the caller\n"
+"decides).  ECONNABORTED, EPERM, EPROTO and EINTR concern one connection:\n"
+"skipped, as the port skips them.  Decides nothing else.");
+
+static PyObject *
+native_accept_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    int listener, count, received, oobinline, ended = 0;
+    Py_ssize_t size;
+    PyObject *items;
+    char data[READ_MAX];
+
+    if (check_args(nargs, 5, "accept_batch() takes listener, count, size, received, oobinline") < 0
+        || as_fd(args[0], &listener) < 0 || as_int(args[1], &count) < 0
+        || as_read_size(args[2], &size) < 0) {
+        return NULL;
+    }
+    if ((received = PyObject_IsTrue(args[3])) < 0 || (oobinline = PyObject_IsTrue(args[4])) < 0) {
+        return NULL;
+    }
+    items = PyList_New(0);
+    if (items == NULL) {
+        return NULL;
+    }
+    for (int k = 0; k < count; k++) {
+        int fd = accept4(listener, NULL, NULL, SOCK_CLOEXEC);
+        ssize_t n;
+        int error = 0, peer = -1;
+        PyObject *value, *item;
+
+        if (fd < 0) {
+            if (errno == ECONNABORTED || errno == EPERM || errno == EPROTO || errno == EINTR) {
+                continue;
+            }
+            ended = errno;
+            break;
+        }
+        if (!received) {
+            n = recv(fd, data, (size_t)size, MSG_DONTWAIT);
+        } else {
+            struct iovec iov = {.iov_base = data, .iov_len = (size_t)size};
+            struct msghdr msg;
+            memset(&msg, 0, sizeof msg);
+            msg.msg_iov = &iov;
+            msg.msg_iovlen = 1;
+            n = 0;
+            if (oobinline) {
+                int on = 1;
+                if (setsockopt(fd, SOL_SOCKET, SO_OOBINLINE, &on, sizeof on) < 0) {
+                    n = -1;
+                }
+            }
+            if (n == 0) {
+                n = recvmsg(fd, &msg, MSG_PEEK | MSG_DONTWAIT);
+            }
+            if (n >= 0 && (msg.msg_flags & MSG_CTRUNC)) {
+                n = -2; /* descriptors waiting: nothing read */
+            } else if (n > 0) {
+                memset(&msg, 0, sizeof msg);
+                iov.iov_len = (size_t)n;
+                msg.msg_iov = &iov;
+                msg.msg_iovlen = 1;
+                n = recvmsg(fd, &msg, MSG_DONTWAIT);
+            }
+        }
+        if (n == -1) {
+            error = errno;
+        }
+        if (n == -2) {
+            value = PyTuple_New(0);
+        } else if (n >= 0) {
+            value = PyBytes_FromStringAndSize(data, n > size ? size : n);
+        } else if (error == EAGAIN) {
+            struct ucred cred;
+            socklen_t length = sizeof cred;
+            if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &length) == 0) {
+                peer = cred.pid;
+            }
+            value = Py_NewRef(Py_None);
+        } else {
+            value = PyLong_FromLong(error);
+        }
+        item = value == NULL ? NULL : Py_BuildValue("(iNi)", fd, value, peer);
+        if (item == NULL || PyList_Append(items, item) < 0) {
+            /* Out of memory: this connection is closed, those already in
+             * the list go to the caller with the error. */
+            Py_XDECREF(item);
+            close(fd);
+            Py_DECREF(items);
+            return NULL;
+        }
+        Py_DECREF(item);
+    }
+    return Py_BuildValue("(Ni)", items, ended);
+}
+
+
+PyDoc_STRVAR(close_all_doc,
+"close_all(fds) -> None\n"
+"\n"
+"close() of every descriptor in fds (a list of ints), in order, with the\n"
+"GIL released once around them all: the connections an accept turn sets\n"
+"aside, closed together at its end.  As close(), a failed close still\n"
+"releases its descriptor; the first error other than EINTR is raised once\n"
+"every descriptor is closed.  A list with anything but ints in it raises\n"
+"before any is closed.");
+
+static PyObject *
+native_close_all(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t count, i;
+    int *fds, failed = 0;
+
+    if (check_args(nargs, 1, "close_all() takes fds") < 0) {
+        return NULL;
+    }
+    if (!PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "close_all() takes a list");
+        return NULL;
+    }
+    count = PyList_GET_SIZE(args[0]);
+    fds = PyMem_New(int, count > 0 ? count : 1);
+    if (fds == NULL) {
+        return PyErr_NoMemory();
+    }
+    for (i = 0; i < count; i++) {
+        if (as_fd(PyList_GET_ITEM(args[0], i), &fds[i]) < 0) {
+            PyMem_Free(fds);
+            return NULL;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (i = 0; i < count; i++) {
+        if (close(fds[i]) < 0 && errno != EINTR && !failed) {
+            failed = errno;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    PyMem_Free(fds);
+    if (failed) {
+        errno = failed;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef native_methods[] = {
     {"accept", (PyCFunction)(void (*)(void))native_accept, METH_FASTCALL, accept_doc},
     {"recv", (PyCFunction)(void (*)(void))native_recv, METH_FASTCALL, recv_doc},
@@ -538,6 +701,9 @@ static PyMethodDef native_methods[] = {
     {"fstatfs_type", (PyCFunction)(void (*)(void))native_fstatfs_type, METH_FASTCALL,
      fstatfs_type_doc},
     {"release", (PyCFunction)(void (*)(void))native_release, METH_FASTCALL, release_doc},
+    {"close_all", (PyCFunction)(void (*)(void))native_close_all, METH_FASTCALL, close_all_doc},
+    {"accept_batch", (PyCFunction)(void (*)(void))native_accept_batch, METH_FASTCALL,
+     accept_batch_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -56,6 +56,13 @@ unix_socket = functools.partial(
 )
 
 
+#: C{getsockopt(conn, level, option)} of an int option on a connection of
+#: either kind (the helper's takes a descriptor or a socket object).
+getsockopt: Callable[[Connection, int, int], int] = (
+    helper.getsockopt if helper is not None else _socket.socket.getsockopt
+)
+
+
 @attrs.frozen
 class ConnectionCalls:
     """

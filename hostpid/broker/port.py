@@ -46,6 +46,7 @@ from twisted.python.failure import Failure
 
 from hostpid import defaults, wire
 from hostpid.broker.connections import Connection
+from hostpid.broker.connections import helper as _native
 from hostpid.broker.descriptors import (
     DescriptorMode,
     PassedDescriptors,
@@ -75,6 +76,10 @@ BACKOFF_MAX = 1.0
 #: Connections accepted per reactor turn at most, so that timers and other
 #: sockets are served even under a flood.
 ACCEPTS_PER_TURN = 128
+
+#: The fast path's first read of a connection (as L{BrokerFactory.answerWaiting}'s).
+_FAST_READ = 256
+_native_accept_batch = getattr(_native, "accept_batch", None)
 
 #: Why accepting may pause (L{BrokerPort.pauseReason}).
 PAUSE_RESOURCES = "out of descriptors or memory (accept fails with EMFILE/ENFILE/ENOBUFS/ENOMEM)"
@@ -407,6 +412,9 @@ class BrokerPort(unix.Port):
         end of a pause, the backoff's reset) is done once, after the first
         accept that succeeds.
         """
+        if self._batched(factory):
+            self._acceptBatchNative(factory)
+            return
         accept = self._acceptOne
         if accept is None:
             accept = self._acceptOne = factory.calls.acceptorFor(self.socket)
@@ -444,6 +452,66 @@ class BrokerPort(unix.Port):
             if prefix is not None:
                 admit(socketOf(conn), prefix)
         self._acceptsPerTurn = min(turn * 2, ACCEPTS_PER_TURN)
+
+    def _batched(self, factory: BrokerFactory) -> bool:
+        """
+        Whether this turn's accepts and first reads are made by one call to
+        the C helper (L{_acceptBatchNative}): where connections are
+        descriptors, and in mode I{received} only while reads install no
+        descriptor (the broker's own L{PassedDescriptors}, which takes none):
+        then every first read is the same peek, whatever the counts.
+        """
+        if not factory.calls.native or _native_accept_batch is None:
+            return False
+        passed = factory.passed
+        return passed is None or not passed.takesDescriptors
+
+    def _acceptBatchNative(self, factory: BrokerFactory) -> None:
+        """
+        L{_acceptBatch} with its system calls made in one call to the C
+        helper (C{accept_batch}): each connection accepted and read once, in
+        the order the backlog holds them, and for one with nothing waiting
+        its peer's PID.  What each is then is decided here, as before: a
+        whole request answered (L{BrokerFactory.answerAccepted}), the rest
+        to the waiting room (L{WaitingRoom.admitAccepted}), whose newcomers
+        over their peer's share are closed after the turn.  Under a flood
+        almost every connection is one of those, and none of them costs a
+        Python call into the kernel, a socket object or an exception.
+        """
+        passed = factory.passed
+        started = boottime_ns() if factory.identifier.acceptClock is not None else 0
+        turn = self._acceptsPerTurn
+        items, ended = _native_accept_batch(
+            self.socket.fileno(), turn, _FAST_READ, passed is not None,
+            passed is not None and passed.outOfBand,
+        )
+        if items:
+            if passed is not None:
+                passed.withoutRoom += len(items)
+            if self.pausedSince is not None:
+                self._pauseEnded()
+            self._backoff = BACKOFF_INITIAL
+            admit = self.room.admitAccepted
+            answerAccepted = factory.answerAccepted
+            for fd, data, peer in items:
+                if data is None:
+                    admit(fd, b"", peer)
+                else:
+                    prefix = answerAccepted(fd, data)
+                    if prefix is not None:
+                        admit(fd, prefix)
+        if ended == errno.EAGAIN:
+            self._acceptsPerTurn = max(1, len(items))
+            if started > self.emptyAt:
+                self.emptyAt = started
+            if self.pausedSince is not None:
+                self._pauseEnded()
+        elif not ended:
+            self._acceptsPerTurn = min(turn * 2, ACCEPTS_PER_TURN)
+        elif ended in RESOURCE_ERRORS:
+            self._pauseAccepting(OSError(ended, os.strerror(ended)))
+        else:
+            self._onFatal(Failure(OSError(ended, os.strerror(ended))))
 
     def _pauseAccepting(self, error: OSError) -> None:
         """

@@ -262,6 +262,21 @@ class BrokerFactory(Factory):
                 count=count,
             )
 
+    def recordMany(self, outcome: Outcome, count: int) -> None:
+        """
+        Count C{count} finished transactions that ended in C{outcome} (not
+        L{Outcome.OK}), as L{record} would one by one: logged once if the
+        count passed a power of two meanwhile.
+        """
+        before = self.counts[outcome]
+        after = self.counts[outcome] = before + count
+        if after.bit_length() > before.bit_length():
+            self.log.warn(
+                "hostpid-broker: {outcome} transactions so far: {count}",
+                outcome=outcome.label,
+                count=after,
+            )
+
     def receiveDescriptors(self, passed: PassedDescriptors) -> None:
         """
         The kernel cannot refuse passed descriptors on this listener: read
@@ -274,6 +289,7 @@ class BrokerFactory(Factory):
         self.passed = passed
         self._release = passed.releaseDescriptor if self.calls.native else passed.release
         self.answerWaiting = self.answerWaitingReceiving  # type: ignore[method-assign]
+        self._answerRead = self._answerReadReceiving  # type: ignore[method-assign]
 
     def answerWaiting(self, sock: Connection) -> bytes | None:
         """
@@ -299,6 +315,36 @@ class BrokerFactory(Factory):
             self._close(sock)
             self.record(Outcome.SHORT)
             return None
+        return self._answerRead(sock, data, accepted)
+
+    def answerAccepted(self, conn: Connection, data: bytes | tuple[()] | int) -> bytes | None:
+        """
+        L{answerWaiting} (or L{answerWaitingReceiving}) of a connection the
+        port's batch accepted and read (L{hostpid.broker.port}): C{data} is
+        what that first read gave, the bytes, or an C{int} errno if it
+        failed, or C{()} if descriptors are waiting (mode I{received}).
+        Never given a connection with nothing waiting yet: the port admits
+        those to the waiting room itself.
+        """
+        if type(data) is bytes:
+            acceptClock = self.identifier.acceptClock
+            return self._answerRead(
+                conn, data, acceptClock() if acceptClock is not None else 0
+            )
+        release = self._release
+        if release is None:
+            self._close(conn)
+        else:
+            release(conn, None)
+        self.record(Outcome.SHORT if type(data) is int else Outcome.DESCRIPTORS)
+        return None
+
+    def _answerRead(self, sock: Connection, data: bytes, accepted: int) -> bytes | None:
+        """
+        The fast path once the first read gave C{data} (mode I{refused}):
+        answer a whole request and close, or return the bytes so far for
+        the general path.
+        """
         if len(data) < _REQUEST_SIZE:
             if data:
                 return data
@@ -374,6 +420,12 @@ class BrokerFactory(Factory):
             release(sock, None)
             self.record(Outcome.DESCRIPTORS)
             return None
+        return self._answerReadReceiving(sock, data, accepted)
+
+    def _answerReadReceiving(self, sock: Connection, data: bytes, accepted: int) -> bytes | None:
+        """L{_answerRead} where clients can pass descriptors: closes go through the release."""
+        release = self._release
+        assert release is not None
         if len(data) < _REQUEST_SIZE:
             if data:
                 return data

@@ -83,6 +83,8 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from hostpid import wire
+from hostpid.broker.connections import Connection, getsockopt
+from hostpid.broker.connections import helper as _native
 from hostpid.broker.deadlines import ArrivalDeadlines
 from hostpid.broker.fairness import LookBackoff, PeerQueues, Rotation
 from hostpid.broker.server import BrokerFactory, Outcome, answer
@@ -98,6 +100,7 @@ _REQUEST_SIZE = wire.REQUEST_SIZE
 #: client has read its reply.
 _READ = 256
 _OK = Outcome.OK
+_close_all = getattr(_native, "close_all", None)
 _SHORT = Outcome.SHORT
 _OVER_LIMIT = Outcome.OVER_LIMIT
 _CONNECTOR_GONE = Outcome.CONNECTOR_GONE
@@ -283,7 +286,7 @@ class WaitingRoom:
         self._peerOf = peerOf
         self.queues: PeerQueues[WaitingConnection, int] = PeerQueues()
         #: Connections turned away at admission, closed at the end of the turn.
-        self.overLimit: list[_socket.socket] = []
+        self.overLimit: list[Connection] = []
         self.rotation: Rotation[WaitingConnection] = Rotation()
         self.backoff = LookBackoff()
         self.deadlines: ArrivalDeadlines[WaitingConnection] = ArrivalDeadlines(
@@ -294,7 +297,33 @@ class WaitingRoom:
         """How many connections are waiting for their request."""
         return len(self.queues)
 
-    def admit(self, sock: _socket.socket, prefix: bytes) -> WaitingConnection | None:
+    def admitAccepted(
+        self, conn: Connection, prefix: bytes, peer: int | None = None
+    ) -> WaitingConnection | None:
+        """
+        L{admit} for a connection as the port accepted it (of the kind the
+        factory's L{ConnectionCalls} make: a bare descriptor where the C
+        helper is built), with its peer's PID if the accept read it
+        (C{SO_PEERCRED}; -1 where the kernel refused).  A newcomer of a
+        peer that holds its share already, the common case under a flood,
+        is set aside as it is, with no socket object made for it; only a
+        connection admitted becomes one.
+        """
+        if self._peerOf is not peer_pid:
+            return self.admit(self.factory.calls.socketOf(conn), prefix)
+        if peer is None:
+            try:
+                peer = getsockopt(conn, _SOL_SOCKET, _SO_PEERCRED)
+            except OSError:
+                peer = -1
+        if self.queues.count(peer) >= self.factory.maxPerPeer:
+            self.overLimit.append(conn)
+            return None
+        return self.admit(self.factory.calls.socketOf(conn), prefix, peer)
+
+    def admit(
+        self, sock: _socket.socket, prefix: bytes, peer: int | None = None
+    ) -> WaitingConnection | None:
         """
         Hold C{sock}, just accepted with C{prefix} (fewer than 8 bytes, maybe
         none) of its request read, until its request is complete; or, if its
@@ -304,7 +333,8 @@ class WaitingRoom:
         @return: the waiting connection, or C{None} if it was closed.
         """
         factory = self.factory
-        peer = self._peerOf(sock)
+        if peer is None:
+            peer = self._peerOf(sock)
         queues = self.queues
         if queues.count(peer) >= factory.maxPerPeer:
             # The common case under a flood: as cheap as it can be made.
@@ -356,8 +386,13 @@ class WaitingRoom:
         the end of every turn, however it ended.
         """
         over, self.overLimit = self.overLimit, []
-        for sock in over:
-            self._shed(sock)
+        descriptors = [conn for conn in over if type(conn) is int]
+        if descriptors:
+            self._shedAccepted(descriptors)
+        if len(descriptors) < len(over):
+            for conn in over:
+                if type(conn) is not int:
+                    self._shed(conn)
 
     def _evictGone(self) -> bool:
         """
@@ -378,6 +413,25 @@ class WaitingRoom:
                 return True
         self.backoff.looked(False)
         return False
+
+    def _shedAccepted(self, fds: list[int]) -> None:
+        """
+        L{_shed} of connections still held as their descriptors
+        (L{admitAccepted}): in mode I{refused} closed in one call to the C
+        helper; in mode I{received} each released and watched as every
+        close of a connection is.
+        """
+        factory = self.factory
+        passed = factory.passed
+        if passed is None and _close_all is not None:
+            _close_all(fds)
+        elif passed is None:
+            for fd in fds:
+                factory.calls.close(fd)
+        else:
+            for fd in fds:
+                passed.releaseDescriptor(fd)
+        factory.recordMany(_OVER_LIMIT, len(fds))
 
     def _shed(self, sock: _socket.socket, outcome: Outcome = _OVER_LIMIT) -> None:
         factory = self.factory
