@@ -691,6 +691,40 @@ native_close_all(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+
+PyDoc_STRVAR(reply_close_doc,
+"reply_close(fd, reply) -> None\n"
+"\n"
+"Mode refused's end of a transaction on the fast path, in one call: send\n"
+"reply (bytes, or None for none) as the broker's reply is sent\n"
+"(MSG_DONTWAIT | MSG_NOSIGNAL, a failure ignored: the client went away or\n"
+"left no room, and either way gets no answer), then close(fd) with the\n"
+"GIL released, as close() does.  Only where the kernel refuses passed\n"
+"descriptors: a plain close cannot drop one here.");
+
+static PyObject *
+native_reply_close(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    int fd;
+
+    if (check_args(nargs, 2, "reply_close() takes fd, reply") < 0 || as_fd(args[0], &fd) < 0) {
+        return NULL;
+    }
+    if (args[1] != Py_None) {
+        char *reply;
+        Py_ssize_t length;
+        if (PyBytes_AsStringAndSize(args[1], &reply, &length) < 0) {
+            return NULL;
+        }
+        while (send(fd, reply, (size_t)length, MSG_DONTWAIT | MSG_NOSIGNAL) < 0 && errno == EINTR) {
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    close(fd);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef native_methods[] = {
     {"accept", (PyCFunction)(void (*)(void))native_accept, METH_FASTCALL, accept_doc},
     {"recv", (PyCFunction)(void (*)(void))native_recv, METH_FASTCALL, recv_doc},
@@ -701,6 +735,8 @@ static PyMethodDef native_methods[] = {
     {"fstatfs_type", (PyCFunction)(void (*)(void))native_fstatfs_type, METH_FASTCALL,
      fstatfs_type_doc},
     {"release", (PyCFunction)(void (*)(void))native_release, METH_FASTCALL, release_doc},
+    {"reply_close", (PyCFunction)(void (*)(void))native_reply_close, METH_FASTCALL,
+     reply_close_doc},
     {"close_all", (PyCFunction)(void (*)(void))native_close_all, METH_FASTCALL, close_all_doc},
     {"accept_batch", (PyCFunction)(void (*)(void))native_accept_batch, METH_FASTCALL,
      accept_batch_doc},

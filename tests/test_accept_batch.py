@@ -91,3 +91,17 @@ def test_close_all_checks_every_item_first() -> None:
     os.fstat(left.fileno())  # still open: nothing was closed
     left.close()
     right.close()
+
+
+def test_reply_close_sends_then_closes() -> None:
+    left, right = socket.socketpair()
+    fd = left.detach()
+    native.reply_close(fd, b"HPID\x00\x01\x00\x00\x00\x00\x00\x07")
+    assert right.recv(64) == b"HPID\x00\x01\x00\x00\x00\x00\x00\x07"
+    assert right.recv(64) == b"", "closed after the reply"
+    with pytest.raises(OSError):
+        os.fstat(fd)
+    left2, right2 = socket.socketpair()
+    right.close()
+    right2.close()
+    native.reply_close(left2.detach(), b"x")  # the peer is gone: the failure is ignored

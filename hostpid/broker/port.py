@@ -481,6 +481,7 @@ class BrokerPort(unix.Port):
         passed = factory.passed
         started = boottime_ns() if factory.identifier.acceptClock is not None else 0
         turn = self._acceptsPerTurn
+        assert _native_accept_batch is not None
         items, ended = _native_accept_batch(
             self.socket.fileno(), turn, _FAST_READ, passed is not None,
             passed is not None and passed.outOfBand,

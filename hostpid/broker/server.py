@@ -33,6 +33,7 @@ from twisted.logger import Logger
 
 from hostpid import defaults, wire
 from hostpid.broker.connections import Connection, ConnectionCalls, default_calls
+from hostpid.broker.connections import helper as _native
 from hostpid.broker.descriptors import PassedDescriptors
 from hostpid.peercred import PeerGone, PeerIdentifier, PeerUnverified
 
@@ -226,6 +227,10 @@ class BrokerFactory(Factory):
         self._send = self.calls.send
         self._close = self.calls.close
         self._release: Callable[[Connection, bytes | None], bool] | None = None
+        #: The C helper's send-then-close, where connections are descriptors.
+        self._replyClose: Callable[[int, bytes | None], None] | None = (
+            getattr(_native, "reply_close", None) if self.calls.native else None
+        )
 
     def transactionStarted(self) -> None:
         """A connection took a slot."""
@@ -356,12 +361,18 @@ class BrokerFactory(Factory):
         if outcome is _INVALID and self.markers and self._isMarker(data):
             self._close(sock)
             return None
-        if reply is not None:
-            try:
-                self._send(sock, reply, _SEND_FLAGS)
-            except OSError:
-                pass
-        self._close(sock)
+        replyClose = self._replyClose
+        if replyClose is not None and type(sock) is int:
+            # Where connections are descriptors: the send and the close in
+            # one call to the C helper.
+            replyClose(sock, reply)
+        else:
+            if reply is not None:
+                try:
+                    self._send(sock, reply, _SEND_FLAGS)
+                except OSError:
+                    pass
+            self._close(sock)
         if outcome is _OK:
             # Counted here, timed per accept batch by the port (observeAccepted):
             # no clock read and no histogram work per answer.
