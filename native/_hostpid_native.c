@@ -475,6 +475,30 @@ native_read(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return PyBytes_FromStringAndSize(data, n);
 }
 
+/*
+ * Send reply (bytes, or None for none) as the broker's reply is sent:
+ * MSG_DONTWAIT | MSG_NOSIGNAL, retried after EINTR.  A reply of a few bytes
+ * on a fresh connection fits or fails at once, and a failure is ignored
+ * (the client went away or left no room: either way it gets no answer).
+ * -1 only when reply is not bytes (the exception is set).
+ */
+static int
+send_reply(int fd, PyObject *value)
+{
+    char *reply;
+    Py_ssize_t length;
+
+    if (value == Py_None) {
+        return 0;
+    }
+    if (PyBytes_AsStringAndSize(value, &reply, &length) < 0) {
+        return -1;
+    }
+    while (send(fd, reply, (size_t)length, MSG_DONTWAIT | MSG_NOSIGNAL) < 0 && errno == EINTR) {
+    }
+    return 0;
+}
+
 PyDoc_STRVAR(release_doc,
 "release(fd, reply) -> int\n"
 "\n"
@@ -499,17 +523,8 @@ native_release(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (check_args(nargs, 2, "release() takes fd, reply") < 0 || as_fd(args[0], &fd) < 0) {
         return NULL;
     }
-    if (args[1] != Py_None) {
-        char *reply;
-        Py_ssize_t length;
-        if (PyBytes_AsStringAndSize(args[1], &reply, &length) < 0) {
-            return NULL;
-        }
-        /* A reply of a few bytes on a fresh connection: it fits or fails at
-         * once, and a failure changes nothing below. */
-        while (send(fd, reply, (size_t)length, MSG_DONTWAIT | MSG_NOSIGNAL) < 0
-               && errno == EINTR) {
-        }
+    if (send_reply(fd, args[1]) < 0) {
+        return NULL;
     }
     if (shutdown(fd, SHUT_RD) < 0) {
         return PyLong_FromLong(RELEASE_UNCONNECTED);
@@ -710,14 +725,8 @@ native_reply_close(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (check_args(nargs, 2, "reply_close() takes fd, reply") < 0 || as_fd(args[0], &fd) < 0) {
         return NULL;
     }
-    if (args[1] != Py_None) {
-        char *reply;
-        Py_ssize_t length;
-        if (PyBytes_AsStringAndSize(args[1], &reply, &length) < 0) {
-            return NULL;
-        }
-        while (send(fd, reply, (size_t)length, MSG_DONTWAIT | MSG_NOSIGNAL) < 0 && errno == EINTR) {
-        }
+    if (send_reply(fd, args[1]) < 0) {
+        return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
     close(fd);

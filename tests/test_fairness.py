@@ -84,3 +84,21 @@ def test_look_backoff_skips_more_rounds_after_each_that_found_nothing() -> None:
                          True, False, False, False]
     backoff.looked(True)
     assert [backoff.due() for _ in range(3)] == [True] * 3, "a round that found one: every time"
+
+
+def test_peers_at_their_bound_are_kept_apart() -> None:
+    """C{atBound} follows every add and remove: the port's test without a call."""
+    queues: PeerQueues[str, int] = PeerQueues(bound=2)
+    queues.add("a1", 1)
+    assert queues.atBound == {}
+    queues.add("a2", 1)
+    queues.add("b1", 2)
+    assert queues.atBound == {1: None}
+    queues.remove("a1", 1)
+    assert queues.atBound == {}
+    queues.add("a3", 1)
+    assert list(queues.atBound) == [1]
+    unbounded: PeerQueues[str, int] = PeerQueues()
+    for item in ("x", "y", "z"):
+        unbounded.add(item, 1)
+    assert unbounded.atBound == {}, "no bound: never filled"

@@ -48,7 +48,15 @@ class PeerQueues(Generic[T, P]):
     count first, so the choice is deterministic.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, bound: int | None = None) -> None:
+        """
+        @param bound: a share of items per peer; the peers holding that many
+            or more are kept in L{atBound}, so that asking whether a peer is
+            at its share is a dictionary lookup, with no call.
+        """
+        self._bound = bound
+        #: The peers holding L{bound} items or more (empty without a bound).
+        self.atBound: dict[P, None] = {}
         #: Each peer's items, oldest first.
         self._items: dict[P, OrderedDict[T, None]] = {}
         #: Peers by how many items they hold (index 0 unused), in the order
@@ -79,6 +87,8 @@ class PeerQueues(Generic[T, P]):
             del self._byCount[len(items)][peer]
         items[item] = None
         held = len(items)
+        if self._bound is not None and held >= self._bound:
+            self.atBound[peer] = None
         byCount = self._byCount
         if held == len(byCount):
             byCount.append({})
@@ -97,6 +107,8 @@ class PeerQueues(Generic[T, P]):
         if items is None or items.pop(item, 0) is not None:
             return False
         held = len(items)
+        if self._bound is not None and held < self._bound:
+            self.atBound.pop(peer, None)
         byCount = self._byCount
         del byCount[held + 1][peer]
         if held:

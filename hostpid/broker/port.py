@@ -492,11 +492,20 @@ class BrokerPort(unix.Port):
             if self.pausedSince is not None:
                 self._pauseEnded()
             self._backoff = BACKOFF_INITIAL
-            admit = self.room.admitAccepted
+            room = self.room
+            admit = room.admitAccepted
             answerAccepted = factory.answerAccepted
+            # L{WaitingRoom.admitAccepted}'s first test made here, the common
+            # case under a flood: a newcomer of a peer that holds its share
+            # is set aside for the close after the turn, with no call.
+            atShare = room.peersAtShare if room.peersAtShare is not None else {}
+            overLimit = room.overLimit
             for fd, data, peer in items:
                 if data is None:
-                    admit(fd, b"", peer)
+                    if peer in atShare:
+                        overLimit.append(fd)
+                    else:
+                        admit(fd, b"", peer)
                 else:
                     prefix = answerAccepted(fd, data)
                     if prefix is not None:

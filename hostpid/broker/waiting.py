@@ -284,7 +284,13 @@ class WaitingRoom:
         self.factory = factory
         self.reactor = reactor
         self._peerOf = peerOf
-        self.queues: PeerQueues[WaitingConnection, int] = PeerQueues()
+        self.queues: PeerQueues[WaitingConnection, int] = PeerQueues(factory.maxPerPeer)
+        #: The peers (PIDs) that hold their share of waiting connections, for
+        #: the port's accept turn (L{admitAccepted}'s first test, without a
+        #: call); C{None} where peers are keyed otherwise (C{peerOf}).
+        self.peersAtShare: dict[int, None] | None = (
+            self.queues.atBound if peerOf is peer_pid else None
+        )
         #: Connections turned away at admission, closed at the end of the turn.
         self.overLimit: list[Connection] = []
         self.rotation: Rotation[WaitingConnection] = Rotation()
