@@ -16,6 +16,14 @@
  *     SO_PASSRIGHTS, before Linux 6.16), four more per connection than mode
  *     "refused": SO_OOBINLINE, recvmsg with room for passed descriptors,
  *     shutdown(SHUT_RD) and a closing peek;
+ *   - accept_batch, close_all and reply_close, the listening port's turn
+ *     in three calls whatever the flood: every accept4 and first read of a
+ *     turn (and the peer's PID for a connection with nothing waiting), the
+ *     turn's set-aside connections closed together, and mode "refused"'s
+ *     reply and close.  Under a reconnecting flood the broker accepts every
+ *     connection only to close most of them, and each Python-level call,
+ *     socket object and exception per connection was time the backlog
+ *     stayed full for real clients (hostpid/broker/port.py);
  *   - fstatfs_type, for the client's sandbox check: the one statfs field
  *     os.fstatvfs does not give, read here so that an exec probe (a fresh
  *     interpreter every few seconds on every node) need not import ctypes.
