@@ -107,9 +107,9 @@ def api() -> Iterator[tuple[FakeAPIServer, str]]:
     resource = FakeAPIServer()
     site = server.Site(resource)
     site.noisy = False
-    port = reactor.listenTCP(0, site, interface="127.0.0.1")  # type: ignore[attr-defined]
+    port = reactor.listenTCP(0, site, interface="127.0.0.1")  # type: ignore[arg-type]
     try:
-        yield resource, f"http://127.0.0.1:{port.getHost().port}"
+        yield resource, f"http://127.0.0.1:{port.getHost().port}"  # type: ignore[attr-defined]
     finally:
         for request in resource.held:
             if not request.finished and not request._disconnected:
@@ -214,7 +214,7 @@ async def test_reads_at_once_and_waiting_are_capped(api: tuple[FakeAPIServer, st
     lookup, clock, seen = make_lookup(url, max_in_flight=2, max_waiting=2)
     reads = [lookup.lookup(NAMESPACE, source(f"hang-{n}")) for n in range(5)]
     # The fifth finds two in flight and two waiting: it is not made.
-    assert reads[4].called and reads[4].result.outcome == "busy"
+    assert reads[4].called and reads[4].result.outcome == "busy"  # type: ignore[attr-defined]
     await settle(lambda: len(fake.held) == 2)
     assert fake.in_flight == 2 and not any(r.called for r in reads[:4])
     for request in fake.held[:2]:
@@ -277,7 +277,7 @@ def review(claim_template: str, gpu_limit: bool = False) -> bytes:
 async def mutate(resource: MutateResource, body: bytes) -> dict[str, Any]:
     request = DummyRequest([b"mutate"])
     request.method = b"POST"
-    request.content = io.BytesIO(body)
+    request.content = io.BytesIO(body)  # type: ignore[attr-defined]
     rendered = resource.render(request)
     if rendered == server.NOT_DONE_YET:
         await request.notifyFinish()
