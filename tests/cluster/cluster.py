@@ -23,6 +23,15 @@ Where each part listens, and why:
   called, not an address: no ready endpoint, no call.  kube-proxy was the
   other way; it would program the shared host network namespace's
   iptables/nftables for every Service, on a machine other work shares.
+- Pods reach the API server where the kubelet tells them it is
+  (C{KUBERNETES_SERVICE_HOST}/C{PORT}: the C{kubernetes} Service,
+  L{SERVICE_IP}:443) through Twisted's port forwarder (C{twistd
+  portforward}, one TCP relay, the TLS end to end): L{SERVICE_IP} is an
+  address of the run's bridge, so a pod's packets to it reach the node
+  through its default route, and nothing in the shared host network
+  namespace's tables changes.  The API server's certificate names
+  L{SERVICE_IP}, so a pod verifies it with its service account's CA (the
+  admission webhook's claim reads, C{webhook.deviceClasses}).
 - The kubelet's device plugin directory is fixed at
   C{/var/lib/kubelet/device-plugins} (the API's C{KubeletSocket}; the
   kubelet ignores C{--root-dir} for it), so it is the one path outside the
@@ -42,6 +51,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
@@ -271,6 +281,11 @@ class Cluster:
             "--bind-address", "127.0.0.1", "--secure-port", str(free_port()),
             "--leader-elect=false", "--profiling=false"])
         self._make_bridge()
+        # The API server at SERVICE_IP:443 for pods (the module docstring).
+        self._add("apiserver-forward", [
+            sys.executable, "-m", "twisted", "portforward",
+            "--port", f"tcp:443:interface={SERVICE_IP}", "--host", "127.0.0.1",
+            "--dest_port", str(apiserver_port)])
         self._make_node_root()
         package = crilib.unpacked_containerd(crilib.RELEASES["2.1"].suite)
         containerd_dir = self.workdir / "containerd"
@@ -379,6 +394,7 @@ class Cluster:
             raise AssertionError(f"a link named {BRIDGE} exists already (another run?)")
         for argv in (["ip", "link", "add", BRIDGE, "type", "bridge"],
                      ["ip", "addr", "add", f"{NODE_IP}/24", "dev", BRIDGE],
+                     ["ip", "addr", "add", f"{SERVICE_IP}/32", "dev", BRIDGE],
                      ["ip", "link", "set", BRIDGE, "up"]):
             subprocess.run(argv, check=True, capture_output=True)
             self._bridge_made = True

@@ -54,20 +54,21 @@ BROKER_MOUNT = "/tmp/vgpulock/hostpid"
 
 
 def claim_template(name: str, cores: int | None = None, memory: str | None = None,
-                   minor: int | None = None) -> dict[str, Any]:
+                   minor: int | None = None, namespace: str = RESTRICTED,
+                   device_class: str = DEVICE_CLASS) -> dict[str, Any]:
     """
-    A template of one request of the driver's class; C{cores} and C{memory}
-    are the capacity it consumes (unset, the device's request policy's
-    default: all of it).
+    A template of one request of C{device_class} (the driver's); C{cores}
+    and C{memory} are the capacity it consumes (unset, the device's request
+    policy's default: all of it).
     """
-    exactly: dict[str, Any] = {"deviceClassName": DEVICE_CLASS}
+    exactly: dict[str, Any] = {"deviceClassName": device_class}
     if cores is not None and memory is not None:
         exactly["capacity"] = {"requests": {"cores": str(cores), "memory": memory}}
     if minor is not None:
         exactly["selectors"] = [{"cel": {
             "expression": f"device.attributes['{DRIVER}'].minor == {minor}"}}]
     return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
-            "metadata": {"name": name, "namespace": RESTRICTED},
+            "metadata": {"name": name, "namespace": namespace},
             "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}}}}
 
 
@@ -101,23 +102,24 @@ def environ(host_pid: int) -> dict[str, str]:
     return dict(entry.decode().partition("=")[::2] for entry in raw if entry)
 
 
-def pod_claims(kube: Cluster, name: str) -> list[dict[str, Any]]:
+def pod_claims(kube: Cluster, name: str, namespace: str = RESTRICTED) -> list[dict[str, Any]]:
     """The pod's generated ResourceClaims, as the API server has them."""
-    status = kube.get("pod", "-n", RESTRICTED, name)["status"]
+    status = kube.get("pod", "-n", namespace, name)["status"]
     names = [c["resourceClaimName"] for c in status.get("resourceClaimStatuses", [])]
-    return [kube.get("resourceclaim", "-n", RESTRICTED, claim) for claim in names]
+    return [kube.get("resourceclaim", "-n", namespace, claim) for claim in names]
 
 
 def results(claim: Mapping[str, Any]) -> list[dict[str, Any]]:
     return list(claim["status"]["allocation"]["devices"]["results"])
 
 
-def container_pids(kube: Cluster, name: str, count: int) -> dict[str, int]:
+def container_pids(kube: Cluster, name: str, count: int,
+                   namespace: str = RESTRICTED) -> dict[str, int]:
     """Each running container's host PID (CRI C{ContainerStatus}), by container name."""
     client = kube.containerd.client
 
     def pids() -> dict[str, int] | None:
-        status = kube.get("pod", "-n", RESTRICTED, name)["status"]
+        status = kube.get("pod", "-n", namespace, name)["status"]
         states = status.get("containerStatuses") or []
         assert status.get("phase") in ("Pending", "Running"), status
         if len(states) != count or not all("running" in s["state"] for s in states):
@@ -129,7 +131,7 @@ def container_pids(kube: Cluster, name: str, count: int) -> dict[str, int]:
                                       verbose=True)
             found[state["name"]] = int(json.loads(response.info["info"])["pid"])
         return found
-    found = wait_for(pids, f"pod {RESTRICTED}/{name}'s {count} containers to run", 120.0)
+    found = wait_for(pids, f"pod {namespace}/{name}'s {count} containers to run", 120.0)
     assert isinstance(found, dict)
     return found
 
