@@ -28,7 +28,8 @@ Where each part listens, and why:
   L{SERVICE_IP}:443) through Twisted's port forwarder (C{twistd
   portforward}, one TCP relay, the TLS end to end): L{SERVICE_IP} is an
   address of the run's bridge, so a pod's packets to it reach the node
-  through its default route, and nothing in the shared host network
+  through the route the CNI gives pods to the Service range alone (no
+  default route: still no route off the machine), and nothing in the shared host network
   namespace's tables changes.  The API server's certificate names
   L{SERVICE_IP}, so a pod verifies it with its service account's CA (the
   admission webhook's claim reads, C{webhook.deviceClasses}).
@@ -106,8 +107,12 @@ def network() -> dict[str, Any]:
         "plugins": [{
             "type": "bridge", "bridge": BRIDGE, "isGateway": True, "ipMasq": False,
             "hairpinMode": False,
+            # No default route (no route off the machine); the Service
+            # range's through the node, where the kubernetes Service's
+            # address is served (the module docstring).
             "ipam": {"type": "host-local", "ranges": [[{"subnet": POD_SUBNET,
-                                                         "gateway": NODE_IP}]]},
+                                                         "gateway": NODE_IP}]],
+                     "routes": [{"dst": SERVICE_RANGE}]},
         }],
     }
 
