@@ -47,7 +47,13 @@ from twisted.internet.error import ConnectError, ConnectionLost, TimeoutError
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
-from twisted.web.client import Agent, HTTPConnectionPool, ResponseDone, ResponseFailed
+from twisted.web.client import (
+    Agent,
+    HTTPConnectionPool,
+    ResponseDone,
+    ResponseFailed,
+    _HTTP11ClientFactory,
+)
 from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH, IPolicyForHTTPS
@@ -213,6 +219,12 @@ class _TooLarge(Exception):
     pass
 
 
+class _QuietFactory(_HTTP11ClientFactory):
+    """The pool's connection factory without a "Starting factory" log line per connection."""
+
+    noisy = False
+
+
 class _CappedBody(Protocol):
     """
     A response body up to C{limit} bytes; past it the transport is told to
@@ -319,6 +331,7 @@ class ClaimLookup:
             pool = HTTPConnectionPool(self.reactor, persistent=True)
             pool.maxPersistentPerHost = self.max_in_flight
             pool.retryAutomatically = False
+            pool._factory = _QuietFactory
             self._agent = Agent(self.reactor, contextFactory=self.credentials.tlsPolicy(),
                                 connectTimeout=self.timeout, pool=pool)
         return self._agent

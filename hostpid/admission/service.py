@@ -6,8 +6,16 @@ The AdmissionReview server: twisted.web around L{hostpid.admission.decision}.
     (base64, C{patchType: JSONPatch}) and warnings.
   - C{/healthz}, C{/readyz}: the reactor answers; ready says the mode and
     the gate.
-  - C{/metrics}: reviews per outcome and the decision's latency, from a
-    registry of this server's own.
+  - C{/metrics}: reviews per outcome and the decision's latency, claim
+    object reads per outcome and their latency, from a registry of this
+    server's own.
+
+A pod with ResourceClaims, when the operator listed device classes
+(L{Config.device_classes}) and a L{ClaimLookup} is given, is answered once
+the templates or claims its containers name are read from the API server
+(L{hostpid.admission.claims}: each read bounded in time, concurrency and
+size, a failed one leaving the container to its resources); its body is
+parsed first and released at once, as any other's.
 
 The webhook never refuses a pod: whatever it is sent, the answer is an
 allowed review when a C{uid} can be read, else a short 400.  Its costs are

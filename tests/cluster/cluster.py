@@ -29,8 +29,8 @@ Where each part listens, and why:
   portforward}, one TCP relay, the TLS end to end): L{SERVICE_IP} is an
   address of the run's bridge, so a pod's packets to it reach the node
   through the route the CNI gives pods to the Service range alone (no
-  default route: still no route off the machine), and nothing in the shared host network
-  namespace's tables changes.  The API server's certificate names
+  default route: still no route off the machine), and no iptables or
+  nftables rule of the shared host network namespace changes.  The API server's certificate names
   L{SERVICE_IP}, so a pod verifies it with its service account's CA (the
   admission webhook's claim reads, C{webhook.deviceClasses}).
 - The kubelet's device plugin directory is fixed at
