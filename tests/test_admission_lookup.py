@@ -9,7 +9,8 @@ read (404, 403, no answer in time, a body past the cap) is admitted by its
 resources alone with a warning and a counted outcome; a read past the
 deadline or the cap aborts its connection (the server sees it go) instead
 of waiting or buffering; at most C{max_in_flight} reads reach the server at
-once, C{max_waiting} more wait, and the rest are not made.
+once, C{max_waiting} more wait, and the rest are not made; the reviews held
+for their reads are bounded in number and size.
 """
 
 from __future__ import annotations
@@ -280,7 +281,8 @@ async def mutate(resource: MutateResource, body: bytes) -> dict[str, Any]:
     request.content = io.BytesIO(body)  # type: ignore[attr-defined]
     rendered = resource.render(request)
     if rendered == server.NOT_DONE_YET:
-        await request.notifyFinish()
+        if not request.finished:
+            await request.notifyFinish()
     else:
         request.write(rendered)
     response: dict[str, Any] = json.loads(b"".join(request.written))["response"]
@@ -346,4 +348,35 @@ async def test_the_webhook_answers_within_the_deadline(api: tuple[FakeAPIServer,
     response = await answered
     assert response["allowed"] is True and "patch" not in response
     assert "timeout" in response["warnings"][0]
+    await close(lookup)
+
+
+@pytest_twisted.ensureDeferred
+async def test_reviews_held_for_reads_are_bounded(api: tuple[FakeAPIServer, str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """
+    A review waiting for its reads holds its parsed pod: past the cap of
+    such reviews, and for a review larger than the reads are made for, the
+    pod is decided at once without reads, counted.
+    """
+    from hostpid.admission import service
+
+    fake, url = api
+    monkeypatch.setattr(service, "MAX_WAITING_REVIEWS", 1)
+    lookup, clock, seen = make_lookup(url, timeout=2.0)
+    resource = MutateResource(Config(mode="mounts", gate=True, device_classes=(GPU_CLASS,)),
+                              WebhookMetrics(), lookup=lookup)
+    held = defer.ensureDeferred(mutate(resource, review("hang-1")))
+    await settle(lambda: len(fake.held) == 1)
+    busy = await mutate(resource, review("gpu-whole"))
+    assert "patch" not in busy and "busy" in busy["warnings"][0]
+    large = json.loads(review("gpu-whole"))
+    large["request"]["object"]["metadata"]["annotations"] = {"a": "x" * service.MAX_READ_BODY}
+    skipped = await mutate(resource, json.dumps(large).encode())
+    assert "patch" not in skipped and "skipped" in skipped["warnings"][0]
+    assert len(fake.requests) == 1
+    clock.advance(2.0)
+    await held
+    assert resource.waiting == 0
+    assert sorted(seen) == ["busy", "skipped", "timeout"]
     await close(lookup)

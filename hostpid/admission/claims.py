@@ -353,6 +353,11 @@ class ClaimLookup:
         gathered = defer.gatherResults(reads)
         return gathered
 
+    def not_made(self, sources: Sequence[ClaimSource], outcome: str, detail: str) -> list[Lookup]:
+        """C{sources} not read, each counted with C{outcome}."""
+        started = self.now()
+        return [self._done(source, outcome, started, detail=detail) for source in sources]
+
     def lookup(self, namespace: str, source: ClaimSource) -> defer.Deferred[Lookup]:
         """One object read, within the deadline; fires with a L{Lookup}, never fails."""
         started = self.now()

@@ -45,6 +45,7 @@ from typing import Any
 
 import attrs
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from twisted.internet import defer
 from twisted.internet.interfaces import IAddress
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -52,7 +53,15 @@ from twisted.web import http
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
-from hostpid.admission.claims import FOUND, LOOKUP_OUTCOMES, ClaimLookup, Lookup, claim_classes
+from hostpid.admission.claims import (
+    BUSY,
+    FOUND,
+    LOOKUP_OUTCOMES,
+    SKIPPED,
+    ClaimLookup,
+    Lookup,
+    claim_classes,
+)
 from hostpid.admission.decision import (
     OUTCOMES,
     ClaimSource,
@@ -112,6 +121,16 @@ NOT_POD = "not_pod"
 REQUEST_OUTCOMES = (*OUTCOMES, INVALID, NOT_POD)
 
 API_VERSION = "admission.k8s.io/v1"
+
+#: Reviews whose claim objects are read, waiting at once, at most; past it
+#: a review is decided without reads (each counted C{busy}).  Each holds
+#: its parsed pod until its reads are done (at most the read deadline).
+MAX_WAITING_REVIEWS = 32
+#: The largest review whose claim objects are read (a pod of a few
+#: containers is a few kilobytes): what the waiting reviews hold stays
+#: under MAX_WAITING_REVIEWS times this, parsed.  A larger one is decided
+#: without reads (C{skipped}).
+MAX_READ_BODY = 64 * 1024
 
 
 class WebhookMetrics:
@@ -287,6 +306,8 @@ class MutateResource(Resource):
         self.metrics = metrics
         self.clock = clock
         self.lookup = lookup
+        #: Reviews waiting for their claim reads now.
+        self.waiting = 0
 
     def render_POST(self, request: Request) -> bytes | int:
         started = self.clock()
@@ -304,7 +325,19 @@ class MutateResource(Resource):
         assert self.lookup is not None
         gone: list[bool] = []
         request.notifyFinish().addErrback(lambda _: gone.append(True))
-        reads = self.lookup.lookup_all(parsed.namespace, _unique(sources))
+        unique = _unique(sources)
+        if len(body) > MAX_READ_BODY:
+            reads = defer.succeed(self.lookup.not_made(
+                unique, SKIPPED, f"the review is larger than {MAX_READ_BODY} bytes"))
+        elif self.waiting >= MAX_WAITING_REVIEWS:
+            reads = defer.succeed(self.lookup.not_made(
+                unique, BUSY, f"{MAX_WAITING_REVIEWS} reviews already wait for reads"))
+        else:
+            # The parsed pod is held until its reads are done: the number
+            # of reviews doing so, and their size, are bounded.
+            self.waiting += 1
+            reads = self.lookup.lookup_all(parsed.namespace, unique)
+            reads.addBoth(self._done_waiting)
 
         def decided(lookups: list[Lookup]) -> None:
             by_object = {(x.source.kind, x.source.object_name): x for x in lookups}
@@ -320,6 +353,10 @@ class MutateResource(Resource):
         reads.addCallback(decided)
         reads.addErrback(self._failed, request, gone)
         return NOT_DONE_YET
+
+    def _done_waiting(self, result: Any) -> Any:
+        self.waiting -= 1
+        return result
 
     def _failures(self, parsed: ParsedReview, lookups: list[Lookup]) -> tuple[str, ...]:
         """A log line for each read that gave nothing, and the review's warnings for them."""
