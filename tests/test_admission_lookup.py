@@ -380,3 +380,20 @@ async def test_reviews_held_for_reads_are_bounded(api: tuple[FakeAPIServer, str]
     assert resource.waiting == 0
     assert sorted(seen) == ["busy", "skipped", "timeout"]
     await close(lookup)
+
+
+@pytest_twisted.ensureDeferred
+async def test_no_ca_no_connection(api: tuple[FakeAPIServer, str], tmp_path: Any) -> None:
+    """Without the mounted CA a read is never made (no fallback to the system's CAs)."""
+    from twisted.internet import reactor
+
+    fake, url = api
+    (tmp_path / "token").write_bytes(b"tok")
+    host, port = url.removeprefix("http://").split(":")
+    credentials = InClusterCredentials(tmp_path, {"KUBERNETES_SERVICE_HOST": host,
+                                                  "KUBERNETES_SERVICE_PORT": port})
+    lookup = ClaimLookup(credentials, reactor, clock=Clock())
+    result = await lookup.lookup(NAMESPACE, source("gpu-a"))
+    assert result.outcome == "error" and "no API server CA" in result.detail, result
+    assert fake.requests == []
+    await close(lookup)

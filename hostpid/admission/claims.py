@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+from OpenSSL import crypto
 from twisted.internet import defer, ssl
 from twisted.internet.error import ConnectError, ConnectionLost, TimeoutError
 from twisted.internet.interfaces import IReactorTime
@@ -129,13 +130,18 @@ class IAPICredentials(Interface):
 @implementer(IPolicyForHTTPS)
 @attrs.frozen
 class _TrustPolicy:
-    """Verify the server against C{trust} only (never the system's CAs); present C{client}."""
+    """
+    Verify the server against the CA C{trust} gives (read for each request:
+    the kubelet replaces the mounted one in place) and nothing else: never
+    the system's CAs, which a missing CA would otherwise fall back to.
+    Present C{client}, if any.
+    """
 
-    trust: ssl.Certificate | None
+    trust: Callable[[], ssl.Certificate]
     client: ssl.PrivateCertificate | None = None
 
     def creatorForNetloc(self, hostname: bytes, port: int) -> Any:
-        return ssl.optionsForClientTLS(hostname.decode("ascii"), trustRoot=self.trust,
+        return ssl.optionsForClientTLS(hostname.decode("ascii"), trustRoot=self.trust(),
                                        clientCertificate=self.client)
 
 
@@ -159,7 +165,6 @@ class InClusterCredentials:
 
     directory: Path = SERVICE_ACCOUNT_DIRECTORY
     environ: Mapping[str, str] = attrs.field(factory=lambda: os.environ)
-    _policy: _TrustPolicy | None = attrs.field(default=None, init=False)
 
     def server(self) -> str:
         host = self.environ.get("KUBERNETES_SERVICE_HOST")
@@ -179,16 +184,16 @@ class InClusterCredentials:
         return b"Bearer " + token
 
     def tlsPolicy(self) -> IPolicyForHTTPS:
-        if self._policy is None:
-            ca = None
-            try:
-                ca = ssl.Certificate.loadPEM(_read_bounded(self.directory / "ca.crt", MAX_TOKEN))
-            except (OSError, CredentialsUnavailable):
-                # No CA: every TLS connection fails verification (counted
-                # as errors), never falls back to the system's CAs.
-                ca = None
-            self._policy = _TrustPolicy(ca)
-        return self._policy
+        return _TrustPolicy(self._ca)
+
+    def _ca(self) -> ssl.Certificate:
+        path = self.directory / "ca.crt"
+        try:
+            return ssl.Certificate.loadPEM(_read_bounded(path, MAX_TOKEN))
+        except OSError as e:
+            raise CredentialsUnavailable(f"no API server CA: {e}") from None
+        except crypto.Error:
+            raise CredentialsUnavailable(f"{path} is not a PEM certificate") from None
 
 
 @implementer(IAPICredentials)
@@ -211,8 +216,13 @@ class StaticCredentials:
         return b"Bearer " + self.token if self.token else None
 
     def tlsPolicy(self) -> IPolicyForHTTPS:
-        return _TrustPolicy(ssl.Certificate.loadPEM(self.ca) if self.ca else None,
-                            ssl.PrivateCertificate.loadPEM(self.client) if self.client else None)
+        return _TrustPolicy(self._ca, ssl.PrivateCertificate.loadPEM(self.client)
+                            if self.client else None)
+
+    def _ca(self) -> ssl.Certificate:
+        if not self.ca:
+            raise CredentialsUnavailable("no API server CA given")
+        return ssl.Certificate.loadPEM(self.ca)
 
 
 class _TooLarge(Exception):
