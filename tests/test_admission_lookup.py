@@ -10,7 +10,8 @@ resources alone with a warning and a counted outcome; a read past the
 deadline or the cap aborts its connection (the server sees it go) instead
 of waiting or buffering; at most C{max_in_flight} reads reach the server at
 once, C{max_waiting} more wait, and the rest are not made; the reviews held
-for their reads are bounded in number and size.
+for their reads are bounded in number and size; in-cluster credentials
+verify the API server's IP against the mounted CA alone.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import base64
 import io
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -397,3 +399,56 @@ async def test_no_ca_no_connection(api: tuple[FakeAPIServer, str], tmp_path: Any
     assert result.outcome == "error" and "no API server CA" in result.detail, result
     assert fake.requests == []
     await close(lookup)
+
+
+def _pki(directory: Path) -> Any:
+    """The cluster tier's certificate authority (C{tests/cluster/pki.py}), imported."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "hostpid_cluster_pki", Path(__file__).parent / "cluster" / "pki.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.Pki(directory)
+
+
+@pytest_twisted.ensureDeferred
+async def test_in_cluster_over_tls(tmp_path: Path) -> None:
+    """
+    As in a pod: the API server's address as an IP, its certificate naming
+    that IP, verified against the mounted CA, the token sent; a server whose
+    certificate another CA signed gets no request.
+    """
+    from twisted.internet import reactor, ssl
+
+    authority = _pki(tmp_path / "pki")
+    pair = authority.issue("apiserver", "kube-apiserver", ips=("127.0.0.1",), server=True)
+    fake = FakeAPIServer()
+    site = server.Site(fake)
+    options = ssl.PrivateCertificate.loadPEM(
+        pair.cert.read_bytes() + pair.key.read_bytes()).options()
+    port = reactor.listenSSL(0, site, options,  # type: ignore[attr-defined]
+                             interface="127.0.0.1")
+    mounted = tmp_path / "serviceaccount"
+    mounted.mkdir()
+    (mounted / "token").write_bytes(TOKEN)
+    environ = {"KUBERNETES_SERVICE_HOST": "127.0.0.1",
+               "KUBERNETES_SERVICE_PORT": str(port.getHost().port)}
+    try:
+        (mounted / "ca.crt").write_bytes(authority.ca.cert.read_bytes())
+        lookup = ClaimLookup(InClusterCredentials(mounted, environ), reactor, clock=Clock())
+        found = await lookup.lookup(NAMESPACE, source("gpu-a"))
+        assert found.outcome == "found", found
+        assert fake.requests[0][1] == b"Bearer " + TOKEN
+        await close(lookup)
+
+        other = _pki(tmp_path / "other")
+        (mounted / "ca.crt").write_bytes(other.ca.cert.read_bytes())
+        lookup = ClaimLookup(InClusterCredentials(mounted, environ), reactor, clock=Clock())
+        refused = await lookup.lookup(NAMESPACE, source("gpu-b"))
+        assert refused.outcome == "error", refused
+        assert len(fake.requests) == 1
+        await close(lookup)
+    finally:
+        await port.stopListening()
