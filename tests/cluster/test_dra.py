@@ -136,6 +136,22 @@ def container_pids(kube: Cluster, name: str, count: int,
     return found
 
 
+def assert_brokered(run: workloads.Run) -> None:
+    """A claim pod's C client given the broker: the gate, one mount, its own host PID."""
+    assert run.facts() == {"ns-pid": "1", "gate": "1", "broker-mounts": "1",
+                           "uid": "1000", "gpu": "present", "socket": "present"}, run.stdout
+    assert run.exit_code == 0, run.stdout
+    assert run.nspid == (run.host_pid, 1)
+    assert run.answer() == (run.host_pid, 1)
+
+
+def assert_fallback(run: workloads.Run) -> None:
+    """A claim pod's C client given nothing but its GPU: it stops at its gate."""
+    assert run.facts() == {"ns-pid": "1", "gate": "unset", "broker-mounts": "0",
+                           "uid": "1000", "gpu": "present", "socket": "absent"}, run.stdout
+    assert run.exit_code == 1 and "hostpid_client: gate: " in run.stdout, run.stdout
+
+
 @pytest.fixture(scope="module")
 def release(kube: Cluster, dra_gpus: DraPlugin, images: dict[str, str]) -> Iterator[Release]:  # noqa: F811
     kube.namespace(RESTRICTED, {"pod-security.kubernetes.io/enforce": "restricted"})
@@ -164,9 +180,7 @@ def test_1_disabled(kube: Cluster, release: Release, dra_gpus: DraPlugin) -> Non
     assert len(mounts_at(host_pid, LOCK_PARENT)) == 1
     assert mounts_at(host_pid, BROKER_MOUNT) == []
     run = workloads.finish(kube, manifest)
-    assert run.facts() == {"ns-pid": "1", "gate": "unset", "broker-mounts": "0",
-                           "uid": "1000", "gpu": "present", "socket": "absent"}, run.stdout
-    assert run.exit_code == 1 and "hostpid_client: gate: " in run.stdout, run.stdout
+    assert_fallback(run)
     kube.kubectl("delete", "pod", "-n", RESTRICTED, run.name, "--wait=false")
 
 
@@ -199,11 +213,7 @@ def test_2_enabled(kube: Cluster, release: Release, images: dict[str, str]) -> N
     assert env["LIBVGPU_HOSTPID_BROKER"] == "1"
     assert env["CUDA_DEVICE_SM_LIMIT_0"] == "100", env
     run = workloads.finish(kube, manifest)
-    assert run.facts() == {"ns-pid": "1", "gate": "1", "broker-mounts": "1",
-                           "uid": "1000", "gpu": "present", "socket": "present"}, run.stdout
-    assert run.exit_code == 0, run.stdout
-    assert run.nspid == (run.host_pid, 1)
-    assert run.answer() == (run.host_pid, 1)
+    assert_brokered(run)
 
     python = workloads.run(kube, claim_pod(
         "dra-python", manifest=project_pod(RESTRICTED, "dra-python", images, gpu=False)))
@@ -289,8 +299,6 @@ def test_6_rolled_back(kube: Cluster, release: Release) -> None:
     release.upgrade("hostPIDBroker.enabled=false")
     print(release.rollout("daemonset", "hostpid-broker"))
     run = workloads.run(kube, claim_pod("dra-rolled-back"))
-    assert run.facts() == {"ns-pid": "1", "gate": "unset", "broker-mounts": "0",
-                           "uid": "1000", "gpu": "present", "socket": "absent"}, run.stdout
-    assert run.exit_code == 1 and "hostpid_client: gate: " in run.stdout, run.stdout
+    assert_fallback(run)
     kube.kubectl("delete", "pod", "-n", RESTRICTED, run.name, "--wait=false")
 
