@@ -53,7 +53,7 @@ import attrs
 import components
 import yaml
 from pki import Pki
-from support import wait_for
+from support import release_immutable, wait_for
 
 #: The pods' bridge, its range and the node's address on it.
 BRIDGE = "hpidbr0"
@@ -493,6 +493,10 @@ class Cluster:
                     path.rmdir()
                 except OSError:
                     pass
+        # The node's lock parent (release.Paths, under node/tmp) holds a prepared
+        # broker mountpoint, immutable: released first, or rm cannot remove it
+        # and the work directory stays.
+        release_immutable(self.workdir / "node" / "tmp")
         subprocess.run(["rm", "-rf", "--one-file-system", "--", str(self.workdir)],
                        check=False, timeout=120)
 
