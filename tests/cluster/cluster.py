@@ -583,6 +583,7 @@ def reap_stale(root: Path = Path("/tmp"), current: Path | None = None) -> list[P
             subprocess.run(["umount", "-l", point], check=False, capture_output=True)
         if cgroup.is_file():
             _remove_cgroup_tree(cgroup.read_text().strip())
+        release_immutable(workdir / "node" / "tmp")  # as close() does
         subprocess.run(["rm", "-rf", "--one-file-system", "--", marker], check=False,
                        timeout=120)
         reaped.append(workdir)
