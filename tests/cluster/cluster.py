@@ -64,7 +64,7 @@ import attrs
 import components
 import yaml
 from pki import Pki
-from support import wait_for
+from support import release_immutable, wait_for
 
 #: The pods' bridge, its range and the node's address on it.
 BRIDGE = "hpidbr0"
@@ -514,6 +514,10 @@ class Cluster:
                     path.rmdir()
                 except OSError:
                     pass
+        # The node's lock parent (release.Paths, under node/tmp) holds a prepared
+        # broker mountpoint, immutable: released first, or rm cannot remove it
+        # and the work directory stays.
+        release_immutable(self.workdir / "node" / "tmp")
         subprocess.run(["rm", "-rf", "--one-file-system", "--", str(self.workdir)],
                        check=False, timeout=120)
 
@@ -600,6 +604,7 @@ def reap_stale(root: Path = Path("/tmp"), current: Path | None = None) -> list[P
             subprocess.run(["umount", "-l", point], check=False, capture_output=True)
         if cgroup.is_file():
             _remove_cgroup_tree(cgroup.read_text().strip())
+        release_immutable(workdir / "node" / "tmp")  # as close() does
         subprocess.run(["rm", "-rf", "--one-file-system", "--", marker], check=False,
                        timeout=120)
         reaped.append(workdir)
