@@ -21,8 +21,16 @@ The steps share one release of the chart and run in this file's order:
    C{cores} each): one device, two shares, each pod its own limits and host
    PID;
 5. a pod without a GPU claim gets nothing;
+5b. rolled forward (both DaemonSets to the next image) while two claim
+   pods query in a loop: no query fails;
 6. rolled back (gates off, then the broker): a new claim pod gets nothing
    again.
+
+Beside steps 1 and 2, a burst of claim pods (L{test_rollout.BURST}, each a
+tenth of a device: the scheduler spreads them) created in one request, each
+pod's creation to its client's first answer reported: with the feature off
+every client falls back at its gate, with it on every one gets its own host
+PID.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ from draplugin import DEVICE_CLASS, DRIVER, DraPlugin
 from release import Release
 from support import wait_for
 from test_nri_containerd import GO_FILE, script_answer
-from test_rollout import images, project_pod  # noqa: F401 (the module's image fixture)
+from test_rollout import Loop, burst, failures, images, project_pod  # noqa: F401 (images: the module's fixture)
 
 RESTRICTED = "dra-restricted"
 #: The claim template every GPU pod here names but the sharing one.
@@ -49,6 +57,8 @@ WHOLE = "gpu-whole"
 #: the whole-GPU claims take the lowest free devices).
 HALF = "gpu-half"
 SHARED_MINOR = 7
+#: A tenth of a device, for the bursts: many claims at once on the 8 devices.
+SLIVER = "gpu-sliver"
 LOCK_PARENT = "/tmp/vgpulock"
 BROKER_MOUNT = "/tmp/vgpulock/hostpid"
 
@@ -88,6 +98,12 @@ def claim_pod(prefix: str, template: str = WHOLE, containers: int = 1,
     for index in range(1, containers):
         spec["containers"].append({**copy.deepcopy(container), "name": f"work{index}"})
     return pod
+
+
+def sliver_pod(prefix: str, labels: Mapping[str, str], script: str) -> dict[str, Any]:
+    """A claim pod of the C client (L{test_rollout.PodMaker}) taking a tenth of a device."""
+    return claim_pod(prefix, template=SLIVER, manifest=workloads.pod(
+        RESTRICTED, prefix, gpu=False, labels=labels, script=script))
 
 
 def mounts_at(host_pid: int, mount_point: str) -> list[tuple[str, ...]]:
@@ -156,7 +172,8 @@ def assert_fallback(run: workloads.Run) -> None:
 def release(kube: Cluster, dra_gpus: DraPlugin, images: dict[str, str]) -> Iterator[Release]:  # noqa: F811
     kube.namespace(RESTRICTED, {"pod-security.kubernetes.io/enforce": "restricted"})
     kube.apply(claim_template(WHOLE), claim_template(HALF, cores=50, memory="8Gi",
-                                                      minor=SHARED_MINOR))
+                                                      minor=SHARED_MINOR),
+               claim_template(SLIVER, cores=10, memory="1Gi"))
     chart = Release(kube, images["repository"], images["tag"])
     try:
         yield chart
@@ -182,6 +199,11 @@ def test_1_disabled(kube: Cluster, release: Release, dra_gpus: DraPlugin) -> Non
     run = workloads.finish(kube, manifest)
     assert_fallback(run)
     kube.kubectl("delete", "pod", "-n", RESTRICTED, run.name, "--wait=false")
+
+
+def test_1b_burst_disabled(kube: Cluster, release: Release) -> None:
+    for run in burst(kube, "dra-disabled", make=sliver_pod):
+        assert run.exit_code == 1 and "hostpid_client: gate: " in run.stdout, run.stdout
 
 
 def test_2_enabled(kube: Cluster, release: Release, images: dict[str, str]) -> None:  # noqa: F811
@@ -221,6 +243,12 @@ def test_2_enabled(kube: Cluster, release: Release, images: dict[str, str]) -> N
     assert python.nspid == (python.host_pid, 1)
     assert python.answer() == (python.host_pid,)
     kube.kubectl("delete", "pod", "-n", RESTRICTED, run.name, python.name, "--wait=false")
+
+
+def test_2b_burst_enabled(kube: Cluster, release: Release) -> None:
+    for run in burst(kube, "dra-enabled", make=sliver_pod):
+        assert run.exit_code == 0, run.stdout
+        assert run.answer() == (run.host_pid, 1), (run.name, run.host_pid, run.stdout)
 
 
 def test_3_two_containers_one_claim(kube: Cluster, release: Release,
@@ -290,6 +318,34 @@ def test_5_no_claim(kube: Cluster, release: Release) -> None:
                            "uid": "1000", "gpu": "absent", "socket": "absent"}, run.stdout
     assert run.exit_code == 1 and "hostpid_client: gate: " in run.stdout
     kube.kubectl("delete", "pod", "-n", RESTRICTED, run.name, "--wait=false")
+
+
+def test_5b_rolled_forward(kube: Cluster, release: Release,
+                           images: dict[str, str]) -> None:  # noqa: F811
+    """
+    Both DaemonSets to the next image (the broker surge-first with its
+    handover) while two claim pods query every 50 ms: no query fails, and
+    each answer is the pod's own host PID.
+    """
+    loop = Loop(kube, "dra-forward", make=sliver_pod)
+    try:
+        wait_for(lambda: all(len(v) >= 5 for v in loop.lines().values()),
+                 "the claim loop pods' first answers", 60.0)
+        release.upgrade(f"image.tag={images['next']}")
+        print(release.rollout("daemonset", "hostpid-broker"))
+        print(release.rollout("daemonset", "hostpid-nri"))
+    finally:
+        lines = loop.stop()
+    total, failed = failures(lines)
+    print(f"\n[cluster] DRA roll forward: {total} queries, {failed} failed")
+    assert total > 0
+    assert failed == 0, [line for v in lines.values() for line in v if not line.startswith("ok")]
+    for name, pid in loop.pids.items():
+        assert all(line == f"ok {pid} 1" for line in lines[name]), lines[name][:3]
+    images_now = {c["image"] for p in kube.get("pods", "-n", release.namespace)["items"]
+                  if "deletionTimestamp" not in p["metadata"] for c in p["spec"]["containers"]}
+    assert images_now == {f"{images['repository']}:{images['next']}"}, images_now
+    kube.kubectl("delete", "pod", "-n", RESTRICTED, *loop.pids, "--wait=false")
 
 
 def test_6_rolled_back(kube: Cluster, release: Release) -> None:
