@@ -208,16 +208,17 @@ def gpu_pod(prefix: str, labels: Mapping[str, str], script: str = workloads.C_SC
     return workloads.pod(RESTRICTED, prefix, labels=labels, script=script)
 
 
-def burst(kube: Cluster, label: str, make: PodMaker = gpu_pod) -> list[workloads.Run]:
+def burst(kube: Cluster, label: str, make: PodMaker = gpu_pod,
+          count: int = BURST) -> list[workloads.Run]:
     """
-    L{BURST} GPU pods (of C{make}) created in one request.  Each workload is
+    C{count} GPU pods (of C{make}) created in one request.  Each workload is
     given its go-ahead as soon as the host's C{/proc} shows it (so its host
     PID is read from the host while it lives); creation to first answer is
     from the create request to the client's line in the pod's log (the CRI
     log's own timestamp).
     """
     manifests = [make(f"burst-{label}", {"burst": label}, workloads.C_SCRIPT)
-                 for _ in range(BURST)]
+                 for _ in range(count)]
     namespace = manifests[0]["metadata"]["namespace"]
     started = time.time()
     created = kube.kubectl_run("create", "-o", "json", "-f", "-", input=json.dumps(
@@ -234,7 +235,7 @@ def burst(kube: Cluster, label: str, make: PodMaker = gpu_pod) -> list[workloads
 
     def finished() -> bool:
         pods = kube.get("pods", "-n", namespace, "-l", f"burst={label}")["items"]
-        return len(pods) == BURST and all(
+        return len(pods) == count and all(
             p["status"].get("phase") in ("Succeeded", "Failed") for p in pods)
     wait_for(finished, f"the {label} burst to finish", 300.0)
     seconds = []
@@ -253,7 +254,7 @@ def burst(kube: Cluster, label: str, make: PodMaker = gpu_pod) -> list[workloads
     kube.kubectl("delete", "pods", "-n", namespace, "-l", f"burst={label}", "--wait=false")
     ordered = sorted(seconds)
     p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
-    print(f"\n[cluster] burst {label}: {BURST} pods, creation to first answer "
+    print(f"\n[cluster] burst {label}: {count} pods, creation to first answer "
           f"p50 {statistics.median(seconds):.2f} s, p99 {p99:.2f} s, max {max(seconds):.2f} s")
     return runs
 
