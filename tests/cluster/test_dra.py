@@ -59,10 +59,12 @@ HALF = "gpu-half"
 SHARED_MINOR = 7
 #: A tenth of a device, for the bursts: many claims at once on the 8 devices.
 SLIVER = "gpu-sliver"
-#: Claim pods per burst: as many as the devices.  A burst of 24 took 100 s
-#: with the feature off as on, most pods answering in 10 s and the last
-#: after 90 s (the scheduler's retries of claims allocated at once), so
-#: more pods cost CI time and show nothing of the broker.
+#: Claim pods per burst: as many as the devices.  Some pods of a burst wait
+#: 60-90 s with the feature off as on: the kubelet's first read of a claim
+#: made a moment before is refused by the node authorizer ("no relationship
+#: found between node ... and this object": its graph has not caught up) and
+#: the pod worker retries after its backoff.  A burst of 24 took 100 s either
+#: way, so more pods cost CI time and show nothing of the broker.
 BURST = 8
 LOCK_PARENT = "/tmp/vgpulock"
 BROKER_MOUNT = "/tmp/vgpulock/hostpid"
