@@ -62,6 +62,22 @@ from zope.interface import Interface, implementer
 
 from hostpid.admission.decision import ClaimSource, request_classes
 
+
+def json_object(data: bytes) -> dict[str, Any]:
+    """
+    C{data} as a JSON object (an API server's object, an AdmissionReview).
+
+    @raise ValueError: it is not JSON (nested too deep included) or not an
+        object; the message is short whatever C{data} holds.
+    """
+    try:
+        obj = json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"not JSON: {str(e)[:80]}") from None
+    if not isinstance(obj, dict):
+        raise ValueError("not a JSON object")
+    return obj
+
 #: Outcomes of one read (the C{hostpid_webhook_claim_lookups_total} label).
 FOUND = "found"
 NOT_FOUND = "not_found"
@@ -415,11 +431,9 @@ class ClaimLookup:
         finally:
             self._slots.release()
         try:
-            obj = json.loads(data)
-        except (ValueError, RecursionError) as e:
-            raise _Malformed(f"not JSON: {str(e)[:80]}") from None
-        if not isinstance(obj, dict):
-            raise _Malformed("not a JSON object")
+            obj = json_object(data)
+        except ValueError as e:
+            raise _Malformed(str(e)) from None
         # The kind read is the kind asked for (request_classes reads a
         # template's nested spec by it).
         return request_classes({**obj, "kind": source.kind})

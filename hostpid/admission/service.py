@@ -61,6 +61,7 @@ from hostpid.admission.claims import (
     ClaimLookup,
     Lookup,
     claim_classes,
+    json_object,
 )
 from hostpid.admission.decision import (
     OUTCOMES,
@@ -213,11 +214,9 @@ def parse_review(body: bytes) -> ParsedReview:
     @raise _BadReview: no C{uid} can be read, so there is nothing to answer.
     """
     try:
-        document = json.loads(body)
-    except (ValueError, RecursionError) as e:
-        raise _BadReview(f"the body is not JSON: {str(e)[:80]}") from None
-    if not isinstance(document, dict):
-        raise _BadReview("the body is not a JSON object")
+        document = json_object(body)
+    except ValueError as e:
+        raise _BadReview(f"the body is {e}") from None
     request = document.get("request")
     uid = request.get("uid") if isinstance(request, dict) else None
     if not isinstance(uid, str) or not uid:
