@@ -118,8 +118,18 @@ def test_readyz_reports_the_last_look_and_never_looks() -> None:
     looks.append(HostState(mountpoint_problem="/tmp/vgpulock/hostpid is a symlink"))
     answer = get(site, b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
     assert answer.startswith(b"HTTP/1.1 503") and b"is a symlink" in answer
+    # A node whose /tmp cannot carry the immutable attribute: ready (no wait
+    # repairs it, and not ready would hold the DaemonSet's rollout there), saying why.
+    looks.append(HostState(mountpoint_problem="/tmp/vgpulock/hostpid cannot be made immutable: "
+                           "tmpfs has no such attribute before Linux 6.0",
+                           not_immutable="tmpfs has no such attribute before Linux 6.0"))
+    answer = get(site, b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 200"), answer
+    assert b"degraded: GPU containers get the lock parent alone" in answer
+    assert b"before Linux 6.0" in answer
     looks.append(HostState())
-    assert get(site, b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n").startswith(b"HTTP/1.1 200")
+    answer = get(site, b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 200") and b"degraded" not in answer
     # The probes' site: no /metrics.
     assert get(site, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").startswith(b"HTTP/1.1 404")
 

@@ -17,6 +17,11 @@ Why each check exists:
 - TLS: the generated certificate names the Service and is signed by the
   CA in C{caBundle}; an existing Secret is reused (what C{lookup} returns on
   an upgrade); cert-manager replaces both when asked.
+- With C{webhook.deviceClasses} (DRA pods), and only then: each class as
+  C{--device-class}, each read within half of C{timeoutSeconds}, the
+  service account token mounted, and a ClusterRole granting C{get} on
+  C{resourceclaims} and C{resourceclaimtemplates} and nothing else, bound
+  to the webhook's own ServiceAccount; without it, no token and no RBAC.
 - The rules: mode C{cdi} without the broker's CDI spec, and the webhook's
   gate without the broker's, fail the render naming both values.
 """
@@ -33,7 +38,7 @@ import kubernetes_validate.utils as kubernetes_validate
 import pytest
 import yaml
 from cryptography import x509
-from test_chart import CHART, RELEASE_NAMESPACE, by_kind, refusal, render, sets
+from test_chart import CHART, RELEASE_NAMESPACE, by_kind, merge, refusal, render, sets
 from test_deploy import KUBERNETES_VERSIONS
 
 WEBHOOK_KINDS = {"Deployment", "PodDisruptionBudget", "Service", "Secret",
@@ -49,6 +54,8 @@ RENDERS = {
         "webhook.enabled=true", "webhook.certManager.enabled=true",
         "webhook.certManager.issuerRef.name=corp-ca",
         "webhook.certManager.issuerRef.kind=ClusterIssuer"),
+    "device classes": sets("webhook.enabled=true",
+                           "webhook.deviceClasses={gpu.hami.io,gpu.nvidia.com}"),
 }
 
 
@@ -170,6 +177,46 @@ def test_the_webhook_pods_have_nothing_of_the_host_and_no_privilege() -> None:
         selector = (broker["spec"].get("selector") or broker["spec"]["podSelector"])[
             "matchLabels"]
         assert not selector.items() <= labels.items(), f"the {broker_kind} selects webhook pods"
+
+
+def test_device_classes_get_a_token_and_get_only_on_claims() -> None:
+    docs = render(RENDERS["device classes"])
+    spec = by_kind(docs, "Deployment")["spec"]["template"]["spec"]
+    assert spec["serviceAccountName"] == "hostpid-webhook"
+    assert spec["automountServiceAccountToken"] is True
+    (container,) = spec["containers"]
+    args = container["args"]
+    assert [args[i + 1] for i, a in enumerate(args) if a == "--device-class"] == [
+        "gpu.hami.io", "gpu.nvidia.com"]
+    assert args[args.index("--claim-lookup-timeout") + 1] == "2.5"
+    (account,) = [d for d in docs if d["kind"] == "ServiceAccount"
+                  and d["metadata"]["name"] == "hostpid-webhook"]
+    assert account["metadata"]["namespace"] == RELEASE_NAMESPACE
+    assert account["automountServiceAccountToken"] is False
+    role = by_kind(docs, "ClusterRole")
+    assert role["rules"] == [{"apiGroups": ["resource.k8s.io"],
+                              "resources": ["resourceclaims", "resourceclaimtemplates"],
+                              "verbs": ["get"]}]
+    binding = by_kind(docs, "ClusterRoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "hostpid-webhook",
+                                    "namespace": RELEASE_NAMESPACE}]
+    one = render(merge(RENDERS["device classes"], sets("webhook.timeoutSeconds=1")))
+    args = by_kind(one, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--claim-lookup-timeout") + 1] == "0.5"
+
+
+def test_without_device_classes_no_token_and_no_rbac() -> None:
+    docs = render(RENDERS["mounts"])
+    spec = by_kind(docs, "Deployment")["spec"]["template"]["spec"]
+    assert spec["automountServiceAccountToken"] is False and "serviceAccountName" not in spec
+    assert not {"ClusterRole", "ClusterRoleBinding"} & {d["kind"] for d in docs}
+    assert "--device-class" not in spec["containers"][0]["args"]
+
+
+def test_a_device_class_must_be_a_name() -> None:
+    assert "deviceClasses" in str(refusal(sets("webhook.enabled=true",
+                                               "webhook.deviceClasses={Not_A_Name}")))
 
 
 def test_more_namespaces_are_left_out_when_listed() -> None:

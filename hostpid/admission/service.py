@@ -6,8 +6,16 @@ The AdmissionReview server: twisted.web around L{hostpid.admission.decision}.
     (base64, C{patchType: JSONPatch}) and warnings.
   - C{/healthz}, C{/readyz}: the reactor answers; ready says the mode and
     the gate.
-  - C{/metrics}: reviews per outcome and the decision's latency, from a
-    registry of this server's own.
+  - C{/metrics}: reviews per outcome and the decision's latency, claim
+    object reads per outcome and their latency, from a registry of this
+    server's own.
+
+A pod with ResourceClaims, when the operator listed device classes
+(L{Config.device_classes}) and a L{ClaimLookup} is given, is answered once
+the templates or claims its containers name are read from the API server
+(L{hostpid.admission.claims}: each read bounded in time, concurrency and
+size, a failed one leaving the container to its resources); its body is
+parsed first and released at once, as any other's.
 
 The webhook never refuses a pod: whatever it is sent, the answer is an
 allowed review when a C{uid} can be read, else a short 400.  Its costs are
@@ -32,18 +40,40 @@ import base64
 import io
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import attrs
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from twisted.internet import defer
 from twisted.internet.interfaces import IAddress
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web import http
 from twisted.web.resource import Resource
-from twisted.web.server import Request
+from twisted.web.server import NOT_DONE_YET, Request
 
-from hostpid.admission.decision import OUTCOMES, Config, Decision, clip, decide
+from hostpid.admission.claims import (
+    BUSY,
+    FOUND,
+    LOOKUP_OUTCOMES,
+    SKIPPED,
+    ClaimLookup,
+    Lookup,
+    claim_classes,
+    json_object,
+)
+from hostpid.admission.decision import (
+    OUTCOMES,
+    ClaimSource,
+    Config,
+    Decision,
+    claim_sources,
+    clip,
+    container_claims,
+    decide,
+    requests_resource,
+)
 from hostpid.boundedhttp import (
     BoundedChannel,
     BoundedSite,
@@ -82,13 +112,26 @@ MAX_BUFFERED = MAX_CONNECTIONS * SMALL_BODY + MAX_LARGE_BUFFERED
 #: are UUIDs, 36 characters.
 MAX_UID = 128
 #: Latency buckets of the decision, in seconds.
-LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1.0)
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1.0,
+                   2.5, 5.0)
+#: Latency buckets of one claim object read, in seconds.
+LOOKUP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 #: Outcomes beyond the decision's own: reviews answered without a decision.
 INVALID = "invalid"
 NOT_POD = "not_pod"
 REQUEST_OUTCOMES = (*OUTCOMES, INVALID, NOT_POD)
 
 API_VERSION = "admission.k8s.io/v1"
+
+#: Reviews whose claim objects are read, waiting at once, at most; past it
+#: a review is decided without reads (each counted C{busy}).  Each holds
+#: its parsed pod until its reads are done (at most the read deadline).
+MAX_WAITING_REVIEWS = 32
+#: The largest review whose claim objects are read (a pod of a few
+#: containers is a few kilobytes): what the waiting reviews hold stays
+#: under MAX_WAITING_REVIEWS times this, parsed.  A larger one is decided
+#: without reads (C{skipped}).
+MAX_READ_BODY = 64 * 1024
 
 
 class WebhookMetrics:
@@ -103,8 +146,20 @@ class WebhookMetrics:
             self.reviews.labels(outcome)
         self.latency = Histogram(
             "hostpid_webhook_review_seconds",
-            "Time from a whole request body to its answer (decode, decide, encode).",
+            "Time from a whole request body to its answer (decode, claim reads, decide, "
+            "encode).",
             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.claim_lookups = Counter(
+            "hostpid_webhook_claim_lookups",
+            "ResourceClaimTemplates and ResourceClaims read from the API server (with "
+            "--device-class), per outcome.",
+            ["outcome"], registry=self.registry)
+        for outcome in LOOKUP_OUTCOMES:
+            self.claim_lookups.labels(outcome)
+        self.claim_lookup_latency = Histogram(
+            "hostpid_webhook_claim_lookup_seconds",
+            "Time of one claim object read, whatever its outcome.",
+            buckets=LOOKUP_BUCKETS, registry=self.registry)
         self.refused = Counter(
             "hostpid_webhook_refused_requests",
             "Requests answered without a review: too_large (413), busy (503: every body "
@@ -113,6 +168,11 @@ class WebhookMetrics:
             ["reason"], registry=self.registry)
         for reason in ("too_large", "busy", "timed_out", "evicted", "bad_request", "method"):
             self.refused.labels(reason)
+
+    def observe_lookup(self, outcome: str, seconds: float) -> None:
+        """One claim object read (L{ClaimLookup.observe})."""
+        self.claim_lookups.labels(outcome).inc()
+        self.claim_lookup_latency.observe(seconds)
 
 
 class _BadReview(ValueError):
@@ -132,19 +192,31 @@ def _allowed(uid: str, decision: Decision | None = None,
     return {"apiVersion": API_VERSION, "kind": "AdmissionReview", "response": response}
 
 
-def review(body: bytes, config: Config) -> tuple[dict[str, Any], str, str]:
+@attrs.frozen
+class ParsedReview:
     """
-    The answer to one request body, its outcome label, and the pod's
-    C{namespace/name} for the log.
+    A request body read: the C{uid}, and either the answer already known
+    (C{answer}, C{outcome}: not a Pod CREATE, not a v1 review) or the pod to
+    decide on, its namespace (the review's: a pod being created may have
+    none in its metadata) and C{namespace/name} for the log.
+    """
 
+    uid: str
+    pod: dict[str, Any] | None = None
+    namespace: str = ""
+    who: str = ""
+    answer: dict[str, Any] | None = None
+    outcome: str = ""
+
+
+def parse_review(body: bytes) -> ParsedReview:
+    """
     @raise _BadReview: no C{uid} can be read, so there is nothing to answer.
     """
     try:
-        document = json.loads(body)
-    except (ValueError, RecursionError) as e:
-        raise _BadReview(f"the body is not JSON: {str(e)[:80]}") from None
-    if not isinstance(document, dict):
-        raise _BadReview("the body is not a JSON object")
+        document = json_object(body)
+    except ValueError as e:
+        raise _BadReview(f"the body is {e}") from None
     request = document.get("request")
     uid = request.get("uid") if isinstance(request, dict) else None
     if not isinstance(uid, str) or not uid:
@@ -153,51 +225,169 @@ def review(body: bytes, config: Config) -> tuple[dict[str, Any], str, str]:
         raise _BadReview(f"request.uid is longer than {MAX_UID} characters")
     assert isinstance(request, dict)
     if document.get("apiVersion") != API_VERSION or document.get("kind") != "AdmissionReview":
-        return _allowed(uid, warnings=(
-            f"hostpid webhook: expected an {API_VERSION} AdmissionReview; pod not changed",)), \
-            INVALID, ""
+        return ParsedReview(uid, answer=_allowed(uid, warnings=(
+            f"hostpid webhook: expected an {API_VERSION} AdmissionReview; pod not changed",)),
+            outcome=INVALID)
     kind = request.get("kind")
     pod = request.get("object")
     if (not isinstance(kind, dict) or kind.get("kind") != "Pod" or kind.get("group", "") != ""
             or not isinstance(pod, dict) or request.get("operation", "CREATE") != "CREATE"):
-        return _allowed(uid), NOT_POD, ""
-    decision = decide(pod, config)
+        return ParsedReview(uid, answer=_allowed(uid), outcome=NOT_POD)
     metadata = pod.get("metadata")
     if not isinstance(metadata, dict):
         metadata = {}
     name = request.get("name") or metadata.get("name") or metadata.get("generateName") or ""
-    who = f"{clip(request.get('namespace') or '')}/{clip(name)}"
-    return _allowed(uid, decision), decision.outcome, who
+    namespace = request.get("namespace") or metadata.get("namespace") or ""
+    namespace = namespace if isinstance(namespace, str) else ""
+    return ParsedReview(uid, pod, namespace, f"{clip(namespace)}/{clip(name)}")
+
+
+def answer(parsed: ParsedReview, config: Config,
+           claim_classes: Mapping[str, tuple[frozenset[str], ...]] | None = None,
+           warnings: tuple[str, ...] = ()) -> tuple[dict[str, Any], str]:
+    """The answer to a parsed review and its outcome label."""
+    if parsed.answer is not None:
+        return parsed.answer, parsed.outcome
+    assert parsed.pod is not None
+    decision = decide(parsed.pod, config, claim_classes)
+    return _allowed(parsed.uid, decision, warnings), decision.outcome
+
+
+def review(body: bytes, config: Config) -> tuple[dict[str, Any], str, str]:
+    """
+    The answer to one request body (no claim lookups), its outcome label,
+    and the pod's C{namespace/name} for the log.
+
+    @raise _BadReview: no C{uid} can be read, so there is nothing to answer.
+    """
+    parsed = parse_review(body)
+    result, outcome = answer(parsed, config)
+    return result, outcome, parsed.who
+
+
+def claims_to_read(pod: Mapping[str, Any], config: Config) -> tuple[ClaimSource, ...]:
+    """
+    The objects to read for C{pod}: none unless the operator listed device
+    classes; else the claims named by containers that do not already
+    qualify by their resources (what they would add is already given),
+    each object once.
+    """
+    if not config.device_classes:
+        return ()
+    spec = pod.get("spec")
+    if not isinstance(spec, Mapping):
+        return ()
+    used: set[str] = set()
+    for field in ("initContainers", "containers"):
+        containers = spec.get(field)
+        for container in containers if isinstance(containers, list) else ():
+            if isinstance(container, Mapping) and not requests_resource(
+                    container, config.resources):
+                used.update(container_claims(container))
+    return tuple(s for s in claim_sources(pod) if s.name in used)
 
 
 class MutateResource(Resource):
-    """C{POST /mutate}."""
+    """
+    C{POST /mutate}.  A pod whose claims must be read (L{claims_to_read},
+    with a L{ClaimLookup}) is answered when the reads are done, each within
+    its deadline; any other at once.
+    """
 
     isLeaf = True
     log = Logger()
 
     def __init__(self, config: Config, metrics: WebhookMetrics,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 lookup: ClaimLookup | None = None) -> None:
         super().__init__()
         self.config = config
         self.metrics = metrics
         self.clock = clock
+        self.lookup = lookup
+        #: Reviews waiting for their claim reads now.
+        self.waiting = 0
 
-    def render_POST(self, request: Request) -> bytes:
+    def render_POST(self, request: Request) -> bytes | int:
         started = self.clock()
         assert request.content is not None
         body = request.content.getvalue()
         try:
-            answer, outcome, who = review(body, self.config)
+            parsed = parse_review(body)
         except _BadReview as e:
             self.metrics.refused.labels("bad_request").inc()
             return plain_text(request, http.BAD_REQUEST, str(e))
-        data = json.dumps(answer, separators=(",", ":")).encode()
+        sources = claims_to_read(parsed.pod, self.config) \
+            if parsed.pod is not None and self.lookup is not None else ()
+        if not sources:
+            return self._finish(request, parsed, started)
+        assert self.lookup is not None
+        gone: list[bool] = []
+        request.notifyFinish().addErrback(lambda _: gone.append(True))
+        unique = _unique(sources)
+        if len(body) > MAX_READ_BODY:
+            reads = defer.succeed(self.lookup.not_made(
+                unique, SKIPPED, f"the review is larger than {MAX_READ_BODY} bytes"))
+        elif self.waiting >= MAX_WAITING_REVIEWS:
+            reads = defer.succeed(self.lookup.not_made(
+                unique, BUSY, f"{MAX_WAITING_REVIEWS} reviews already wait for reads"))
+        else:
+            # The parsed pod is held until its reads are done: the number
+            # of reviews doing so, and their size, are bounded.
+            self.waiting += 1
+            reads = self.lookup.lookup_all(parsed.namespace, unique)
+            reads.addBoth(self._done_waiting)
+
+        def decided(lookups: list[Lookup]) -> None:
+            by_object = {(x.source.kind, x.source.object_name): x for x in lookups}
+            per_claim = [attrs.evolve(by_object[(s.kind, s.object_name)], source=s)
+                         for s in sources]
+            warnings = self._failures(parsed, per_claim)
+            if gone:
+                return
+            data = self._finish(request, parsed, started, claim_classes(per_claim), warnings)
+            request.write(data)
+            request.finish()
+
+        reads.addCallback(decided)
+        reads.addErrback(self._failed, request, gone)
+        return NOT_DONE_YET
+
+    def _done_waiting(self, result: Any) -> Any:
+        self.waiting -= 1
+        return result
+
+    def _failures(self, parsed: ParsedReview, lookups: list[Lookup]) -> tuple[str, ...]:
+        """A log line for each read that gave nothing, and the review's warnings for them."""
+        failed = [x for x in lookups if x.outcome != FOUND]
+        for x in failed:
+            self.log.warn(
+                "hostpid-webhook: {kind} {object} (claim {claim}) of pod {pod} not read "
+                "({outcome}: {detail}); its containers qualify by their resources only",
+                kind=x.source.kind, object=clip(x.source.object_name), claim=clip(x.source.name),
+                pod=parsed.who, outcome=x.outcome, detail=x.detail)
+        if not failed:
+            return ()
+        return (f"hostpid webhook: could not read {len(failed)} of the pod's claim objects "
+                f"({', '.join(sorted({x.outcome for x in failed}))}); containers naming them "
+                "qualify by their resources only",)
+
+    def _failed(self, failure: Failure, request: Request, gone: list[bool]) -> None:
+        """Never expected (reads never fail): a plain 500, and the pod is admitted by policy."""
+        self.log.failure("hostpid-webhook: answering after claim reads failed", failure)
+        if not gone:
+            internal_error(request)
+
+    def _finish(self, request: Request, parsed: ParsedReview, started: float,
+                claim_classes: Mapping[str, tuple[frozenset[str], ...]] | None = None,
+                warnings: tuple[str, ...] = ()) -> bytes:
+        result, outcome = answer(parsed, self.config, claim_classes, warnings)
+        data = json.dumps(result, separators=(",", ":")).encode()
         self.metrics.reviews.labels(outcome).inc()
         self.metrics.latency.observe(self.clock() - started)
         if outcome not in ("unchanged", "not_qualifying", "not_pod"):
-            self.log.info("hostpid-webhook: {outcome} pod {pod}", outcome=outcome, pod=who,
-                          warnings=answer["response"].get("warnings", []))
+            self.log.info("hostpid-webhook: {outcome} pod {pod}", outcome=outcome,
+                          pod=parsed.who, warnings=result["response"].get("warnings", []))
         request.setHeader(b"content-type", b"application/json")
         request.setHeader(b"content-length", b"%d" % (len(data),))
         return data
@@ -206,6 +396,13 @@ class MutateResource(Resource):
         self.metrics.refused.labels("method").inc()
         request.setHeader(b"allow", b"POST")
         return plain_text(request, http.NOT_ALLOWED, "POST an AdmissionReview here")
+
+
+def _unique(sources: tuple[ClaimSource, ...]) -> list[ClaimSource]:
+    seen: dict[tuple[str, str], ClaimSource] = {}
+    for source in sources:
+        seen.setdefault((source.kind, source.object_name), source)
+    return list(seen.values())
 
 
 class _Text(Resource):
@@ -219,10 +416,11 @@ class _Text(Resource):
         return plain_text(request, http.OK, self.text())
 
 
-def webhook_resource(config: Config, metrics: WebhookMetrics) -> Resource:
+def webhook_resource(config: Config, metrics: WebhookMetrics,
+                     lookup: ClaimLookup | None = None) -> Resource:
     """The resource tree: C{/mutate}, C{/healthz}, C{/readyz}, C{/metrics}."""
     root = Resource()
-    root.putChild(b"mutate", MutateResource(config, metrics))
+    root.putChild(b"mutate", MutateResource(config, metrics, lookup=lookup))
     root.putChild(b"healthz", _Text(lambda: "ok"))
     gate = "on" if config.gate else "off (patching nothing but the broker annotation's removal)"
     root.putChild(b"readyz", _Text(lambda: f"ready: mode {config.mode}, gate {gate}"))
@@ -279,7 +477,9 @@ class WebhookRequest(Request):
         self._counted = self._counted_large = 0
 
     def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:
-        # Processing is synchronous: once it returns, the body is no longer needed.
+        # The body is parsed synchronously (an answer waiting for claim
+        # reads holds the parsed pod, not the body): once this returns, the
+        # body is no longer needed.
         try:
             super().requestReceived(command, path, version)
         finally:
@@ -354,7 +554,14 @@ class WebhookSite(BoundedSite):
 
 
 def make_site(config: Config, timeout: float = REQUEST_TIMEOUT, reactor: Any = None,
-              metrics: WebhookMetrics | None = None) -> WebhookSite:
+              metrics: WebhookMetrics | None = None,
+              lookup: ClaimLookup | None = None) -> WebhookSite:
+    """
+    The webhook's site; with C{lookup} (and L{Config.device_classes}) it
+    reads the claim objects of pods with ResourceClaims.
+    """
     metrics = metrics if metrics is not None else WebhookMetrics()
-    return WebhookSite(webhook_resource(config, metrics), metrics, timeout=timeout,
+    if lookup is not None:
+        lookup.observe = metrics.observe_lookup
+    return WebhookSite(webhook_resource(config, metrics, lookup), metrics, timeout=timeout,
                        reactor=reactor)

@@ -18,6 +18,7 @@ from twisted.python import usage
 from twisted.python.components import Componentized
 
 from hostpid import defaults, logs
+from hostpid.admission.claims import DEFAULT_TIMEOUT, ClaimLookup, InClusterCredentials, valid_name
 from hostpid.admission.decision import MODES, Config
 from hostpid.admission.service import REQUEST_TIMEOUT, make_site
 from hostpid.gate import gate_enabled
@@ -25,10 +26,12 @@ from hostpid.version import VersionOption
 
 DEFAULT_RESOURCE = "nvidia.com/gpu"
 MAX_TIMEOUT = 60.0
+MAX_LOOKUP_TIMEOUT = 30.0
 
 
 class Options(VersionOption, usage.Options):
-    synopsis = "--endpoint ENDPOINT [--resource NAME]... [--mode cdi|mounts]"
+    synopsis = ("--endpoint ENDPOINT [--resource NAME]... [--device-class NAME]... "
+                "[--mode cdi|mounts]")
     longdesc = (
         "Serve the admission webhook that gives GPU pods the host PID broker: POST /mutate "
         "(AdmissionReview admission.k8s.io/v1), /healthz, /readyz, /metrics.  It patches pods "
@@ -50,6 +53,9 @@ class Options(VersionOption, usage.Options):
          "The host broker directory mounted read-only at /tmp/vgpulock/hostpid (mode mounts)."],
         ["request-timeout", None, REQUEST_TIMEOUT,
          "Seconds in which each request must arrive whole."],
+        ["claim-lookup-timeout", None, DEFAULT_TIMEOUT,
+         "Seconds each read of a ResourceClaimTemplate or ResourceClaim may take (with "
+         "--device-class); keep it well inside the webhook's timeoutSeconds."],
         ["log-files", None, logs.MAX_ROTATED_FILES,
          "Rotated log files kept beside --logfile (twistd rotates it at 1 MB and on SIGUSR1; "
          "by itself it keeps every one)."],
@@ -58,6 +64,7 @@ class Options(VersionOption, usage.Options):
     def __init__(self) -> None:
         super().__init__()
         self["resource"] = []
+        self["device-class"] = []
 
     def opt_resource(self, name: str) -> None:
         """An extended resource that makes a pod qualify (repeatable; default nvidia.com/gpu)."""
@@ -65,6 +72,17 @@ class Options(VersionOption, usage.Options):
             raise usage.UsageError(f"--resource {name!r}: an extended resource name "
                                    "(DOMAIN/NAME), e.g. nvidia.com/gpu")
         self["resource"].append(name)
+
+    def opt_device_class(self, name: str) -> None:
+        """
+        A DeviceClass (resource.k8s.io) whose devices are GPUs (repeatable; none: no
+        lookups): a container naming a claim that asks only for listed classes qualifies,
+        read from the API server with the pod's service account.
+        """
+        if not valid_name(name):
+            raise usage.UsageError(f"--device-class {name!r}: a DeviceClass name (a DNS "
+                                   "subdomain), e.g. gpu.example.com")
+        self["device-class"].append(name)
 
     def postOptions(self) -> None:
         if not self["endpoint"]:
@@ -80,6 +98,16 @@ class Options(VersionOption, usage.Options):
             raise usage.UsageError(f"--request-timeout must be a number of seconds from 0 "
                                    f"to {MAX_TIMEOUT:g}, got {self['request-timeout']!r}")
         self["request-timeout"] = timeout
+        try:
+            lookup_timeout = float(self["claim-lookup-timeout"])
+        except ValueError:
+            lookup_timeout = -1.0
+        if not 0 < lookup_timeout <= MAX_LOOKUP_TIMEOUT:
+            raise usage.UsageError(
+                f"--claim-lookup-timeout must be a number of seconds from 0 to "
+                f"{MAX_LOOKUP_TIMEOUT:g} (the API server waits at most 30 s for a webhook), "
+                f"got {self['claim-lookup-timeout']!r}")
+        self["claim-lookup-timeout"] = lookup_timeout
         try:
             self["log-files"] = logs.parse_log_files(self["log-files"])
         except ValueError as e:
@@ -126,15 +154,17 @@ class WebhookService(StreamServerEndpointService):
         address = port.getHost()
         self.log.info(
             "hostpid-webhook: listening on port {port}, mode {mode}, gate {gate}, "
-            "resources {resources}",
+            "resources {resources}, device classes {device_classes}",
             port=getattr(address, "port", address), mode=self.config.mode,
-            gate="on" if self.config.gate else "off", resources=list(self.config.resources))
+            gate="on" if self.config.gate else "off", resources=list(self.config.resources),
+            device_classes=list(self.config.device_classes) or "none (no claim reads)")
         return port
 
 
 def config_from(options: Options | dict[str, Any], environ: Any = None) -> Config:
     return Config(
         resources=tuple(options.get("resource") or (DEFAULT_RESOURCE,)),
+        device_classes=tuple(options.get("device-class") or ()),
         mode=options.get("mode") or "cdi",
         gate=gate_enabled(environ),
         lock_parent=options.get("lock-parent") or defaults.LOCK_PARENT,
@@ -149,7 +179,17 @@ def makeService(options: Options | dict[str, Any]) -> IService:
         from twisted.internet import reactor
 
         endpoint = endpoints.serverFromString(reactor, options["endpoint"])
-    site = make_site(config, timeout=float(options.get("request-timeout") or REQUEST_TIMEOUT))
+    lookup = None
+    if config.device_classes:
+        from twisted.internet import reactor
+
+        # The pod's own service account (the chart mounts its token only
+        # when device classes are listed, with RBAC to get claims and
+        # templates and nothing else).
+        lookup = ClaimLookup(InClusterCredentials(), reactor, timeout=float(
+            options.get("claim-lookup-timeout") or DEFAULT_TIMEOUT))
+    site = make_site(config, timeout=float(options.get("request-timeout") or REQUEST_TIMEOUT),
+                     lookup=lookup)
     service = WebhookService(endpoint, site, config)
     service.logObserver = logs.observer(getattr(options, "parent", None), "text",
                                         int(options.get("log-files") or logs.MAX_ROTATED_FILES))

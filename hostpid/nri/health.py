@@ -16,7 +16,8 @@ connection, no traceback and no access log.
     mountpoint sound (L{hostpid.nri.hostcheck}); 503 with the reason
     otherwise (the runtime is down, restarting, refused the plugin or has
     not configured it; the host not looked at yet; a host path missing; the
-    mountpoint unsafe and not repairable);
+    mountpoint unsafe and not repairable).  A mountpoint that cannot be
+    made immutable on this node is 200 with the reason (L{degraded_because});
   - C{/metrics}: L{hostpid.nri.service.NRIMetrics}.
 
 C{/readyz} only reports: it never looks at the host itself.  Looking repairs
@@ -80,10 +81,35 @@ def not_ready_because(service: Readiness,
         return "the host has not been looked at yet"
     if state.missing:
         return f"missing on the host: {' and '.join(state.missing)}"
-    if state.mountpoint_problem:
+    if state.mountpoint_problem and not state.not_immutable:
         return (f"the broker mountpoint is unsafe and cannot be repaired: "
                 f"{state.mountpoint_problem}")
     return None
+
+
+def degraded_because(host: Callable[[], HostState | None] | None = None) -> str | None:
+    """
+    Why a ready plugin gives GPU containers the lock parent alone, or None.
+
+    A mountpoint that cannot be made immutable (the filesystem has no such
+    attribute, as tmpfs before Linux 6.0; the plugin lacks
+    C{CAP_LINUX_IMMUTABLE}) is a property of the node that no wait repairs.
+    The plugin is still doing its whole job there, failing closed: each GPU
+    container gets the lock parent and no broker mount, so HAMi-core takes
+    its own slower path.  Reporting that as not ready would hold the pod out
+    of Ready forever, and with it every rollout of the DaemonSet on the node
+    (surge-first: the old pod waits for the new one) and any C{helm --wait},
+    for no safety gained.  So C{/readyz} stays 200 and says it is degraded;
+    the operator's signal is C{hostpid_nri_mountpoint_immutable} 0
+    (docs/operations.md gives the alert).
+    """
+    if host is None:
+        return None
+    state = host()
+    if state is None or not state.not_immutable:
+        return None
+    return (f"degraded: GPU containers get the lock parent alone, no broker mount: "
+            f"{state.mountpoint_problem}")
 
 
 class LiveResource(Resource):
@@ -119,8 +145,11 @@ class ReadyResource(Resource):
     def render_GET(self, request: Request) -> bytes:
         why = not_ready_because(self.service, self.host)
         if why is None:
-            return plain_text(request, 200, f"ready: configured by the runtime at "
-                                            f"{self.service.socketPath}")
+            ready = f"ready: configured by the runtime at {self.service.socketPath}"
+            degraded = degraded_because(self.host)
+            if degraded is not None:
+                ready = f"{ready}; {degraded}"
+            return plain_text(request, 200, ready)
         return plain_text(request, 503, f"not ready: {why}")
 
 

@@ -23,6 +23,16 @@ Where each part listens, and why:
   called, not an address: no ready endpoint, no call.  kube-proxy was the
   other way; it would program the shared host network namespace's
   iptables/nftables for every Service, on a machine other work shares.
+- Pods reach the API server where the kubelet tells them it is
+  (C{KUBERNETES_SERVICE_HOST}/C{PORT}: the C{kubernetes} Service,
+  L{SERVICE_IP}:443) through Twisted's port forwarder (C{twistd
+  portforward}, one TCP relay, the TLS end to end): L{SERVICE_IP} is an
+  address of the run's bridge, so a pod's packets to it reach the node
+  through the route the CNI gives pods to the Service range alone (no
+  default route: still no route off the machine), and no iptables or
+  nftables rule of the shared host network namespace changes.  The API server's certificate names
+  L{SERVICE_IP}, so a pod verifies it with its service account's CA (the
+  admission webhook's claim reads, C{webhook.deviceClasses}).
 - The kubelet's device plugin directory is fixed at
   C{/var/lib/kubelet/device-plugins} (the API's C{KubeletSocket}; the
   kubelet ignores C{--root-dir} for it), so it is the one path outside the
@@ -42,6 +52,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
@@ -53,7 +64,7 @@ import attrs
 import components
 import yaml
 from pki import Pki
-from support import wait_for
+from support import release_immutable, wait_for
 
 #: The pods' bridge, its range and the node's address on it.
 BRIDGE = "hpidbr0"
@@ -96,8 +107,12 @@ def network() -> dict[str, Any]:
         "plugins": [{
             "type": "bridge", "bridge": BRIDGE, "isGateway": True, "ipMasq": False,
             "hairpinMode": False,
+            # No default route (no route off the machine); the Service
+            # range's through the node, where the kubernetes Service's
+            # address is served (the module docstring).
             "ipam": {"type": "host-local", "ranges": [[{"subnet": POD_SUBNET,
-                                                         "gateway": NODE_IP}]]},
+                                                         "gateway": NODE_IP}]],
+                     "routes": [{"dst": SERVICE_RANGE}]},
         }],
     }
 
@@ -271,6 +286,11 @@ class Cluster:
             "--bind-address", "127.0.0.1", "--secure-port", str(free_port()),
             "--leader-elect=false", "--profiling=false"])
         self._make_bridge()
+        # The API server at SERVICE_IP:443 for pods (the module docstring).
+        self._add("apiserver-forward", [
+            sys.executable, "-m", "twisted", "portforward",
+            "--port", f"tcp:443:interface={SERVICE_IP}", "--host", "127.0.0.1",
+            "--dest_port", str(apiserver_port)])
         self._make_node_root()
         package = crilib.unpacked_containerd(crilib.RELEASES["2.1"].suite)
         containerd_dir = self.workdir / "containerd"
@@ -379,6 +399,7 @@ class Cluster:
             raise AssertionError(f"a link named {BRIDGE} exists already (another run?)")
         for argv in (["ip", "link", "add", BRIDGE, "type", "bridge"],
                      ["ip", "addr", "add", f"{NODE_IP}/24", "dev", BRIDGE],
+                     ["ip", "addr", "add", f"{SERVICE_IP}/32", "dev", BRIDGE],
                      ["ip", "link", "set", BRIDGE, "up"]):
             subprocess.run(argv, check=True, capture_output=True)
             self._bridge_made = True
@@ -493,6 +514,10 @@ class Cluster:
                     path.rmdir()
                 except OSError:
                     pass
+        # The node's lock parent (release.Paths, under node/tmp) holds a prepared
+        # broker mountpoint, immutable: released first, or rm cannot remove it
+        # and the work directory stays.
+        release_immutable(self.workdir / "node" / "tmp")
         subprocess.run(["rm", "-rf", "--one-file-system", "--", str(self.workdir)],
                        check=False, timeout=120)
 
@@ -579,6 +604,7 @@ def reap_stale(root: Path = Path("/tmp"), current: Path | None = None) -> list[P
             subprocess.run(["umount", "-l", point], check=False, capture_output=True)
         if cgroup.is_file():
             _remove_cgroup_tree(cgroup.read_text().strip())
+        release_immutable(workdir / "node" / "tmp")  # as close() does
         subprocess.run(["rm", "-rf", "--one-file-system", "--", marker], check=False,
                        timeout=120)
         reaped.append(workdir)

@@ -17,7 +17,7 @@ from typing import Any
 
 import helm_python as helm
 from cluster import Cluster
-from support import REPO
+from support import REPO, wait_for
 
 CHART = REPO / "deploy" / "helm" / "hostpid-broker"
 RELEASE = "hostpid-broker"
@@ -137,6 +137,12 @@ class Release:
 
     def uninstall(self) -> None:
         self.config.uninstall(self.name, ignore_not_found=True, timeout=300, wait="watcher")
+        # Helm deletes the DaemonSets with background propagation and waits for
+        # them alone: their pods go later, by the garbage collector.  A test that
+        # installs next and counts the release's pods must not count those.
+        wait_for(lambda: not self.kube.get(
+            "pods", "-n", self.namespace, "-l", "app.kubernetes.io/part-of=hostpid")["items"],
+            "the uninstalled release's pods to be gone", 180.0)
 
     def values(self) -> Any:
         return self.config.get_values(self.name)

@@ -37,7 +37,7 @@ import re
 import statistics
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from datetime import datetime
 from typing import Any
 
@@ -197,16 +197,29 @@ def userns_run(kube: Cluster, manifest: dict[str, Any]) -> tuple[workloads.Run, 
     return run, seen
 
 
-def burst(kube: Cluster, label: str) -> list[workloads.Run]:
+#: Makes a GPU pod of the tier's C client: C{make(prefix, labels, script)}
+#: (a device plugin GPU here; test_dra.py's claim pods there).
+PodMaker = Callable[[str, Mapping[str, str], str], dict[str, Any]]
+
+
+def gpu_pod(prefix: str, labels: Mapping[str, str], script: str = workloads.C_SCRIPT
+            ) -> dict[str, Any]:
+    """A C{restricted} pod with a device plugin GPU in L{RESTRICTED}."""
+    return workloads.pod(RESTRICTED, prefix, labels=labels, script=script)
+
+
+def burst(kube: Cluster, label: str, make: PodMaker = gpu_pod,
+          count: int = BURST) -> list[workloads.Run]:
     """
-    L{BURST} GPU pods created in one request.  Each workload is given its
-    go-ahead as soon as the host's C{/proc} shows it (so its host PID is
-    read from the host while it lives); creation to first answer is from
-    the create request to the client's line in the pod's log (the CRI log's
-    own timestamp).
+    C{count} GPU pods (of C{make}) created in one request.  Each workload is
+    given its go-ahead as soon as the host's C{/proc} shows it (so its host
+    PID is read from the host while it lives); creation to first answer is
+    from the create request to the client's line in the pod's log (the CRI
+    log's own timestamp).
     """
-    manifests = [workloads.pod(RESTRICTED, f"burst-{label}", labels={"burst": label})
-                 for _ in range(BURST)]
+    manifests = [make(f"burst-{label}", {"burst": label}, workloads.C_SCRIPT)
+                 for _ in range(count)]
+    namespace = manifests[0]["metadata"]["namespace"]
     started = time.time()
     created = kube.kubectl_run("create", "-o", "json", "-f", "-", input=json.dumps(
         {"apiVersion": "v1", "kind": "List", "items": manifests}))
@@ -221,27 +234,27 @@ def burst(kube: Cluster, label: str) -> list[workloads.Run]:
     host_pids = workloads.release_each(uids)
 
     def finished() -> bool:
-        pods = kube.get("pods", "-n", RESTRICTED, "-l", f"burst={label}")["items"]
-        return len(pods) == BURST and all(
+        pods = kube.get("pods", "-n", namespace, "-l", f"burst={label}")["items"]
+        return len(pods) == count and all(
             p["status"].get("phase") in ("Succeeded", "Failed") for p in pods)
     wait_for(finished, f"the {label} burst to finish", 300.0)
     seconds = []
     runs = []
     for manifest in manifests:
         name = manifest["metadata"]["name"]
-        current = kube.get("pod", "-n", RESTRICTED, name)
+        current = kube.get("pod", "-n", namespace, name)
         (state,) = current["status"]["containerStatuses"]
-        lines = kube.kubectl("logs", "--timestamps", "-n", RESTRICTED, name).splitlines()
+        lines = kube.kubectl("logs", "--timestamps", "-n", namespace, name).splitlines()
         stamp = lines[-1].split(" ", 1)[0]
         seconds.append(datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
                        - started)
         stdout = "".join(line.split(" ", 1)[1] + "\n" for line in lines)
         runs.append(workloads.Run(name, host_pids[name], (), current["status"]["phase"],
                                   state["state"]["terminated"]["exitCode"], stdout, current))
-    kube.kubectl("delete", "pods", "-n", RESTRICTED, "-l", f"burst={label}", "--wait=false")
+    kube.kubectl("delete", "pods", "-n", namespace, "-l", f"burst={label}", "--wait=false")
     ordered = sorted(seconds)
     p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
-    print(f"\n[cluster] burst {label}: {BURST} pods, creation to first answer "
+    print(f"\n[cluster] burst {label}: {count} pods, creation to first answer "
           f"p50 {statistics.median(seconds):.2f} s, p99 {p99:.2f} s, max {max(seconds):.2f} s")
     return runs
 
@@ -264,21 +277,23 @@ LOOP_SCRIPT = (
 
 
 class Loop:
-    """GPU pods querying in a loop, started now, stopped and read by L{stop}."""
+    """GPU pods (of C{make}) querying in a loop, started now, stopped and read by L{stop}."""
 
-    def __init__(self, kube: Cluster, label: str, count: int = 2) -> None:
+    def __init__(self, kube: Cluster, label: str, count: int = 2,
+                 make: PodMaker = gpu_pod) -> None:
         self.kube = kube
-        self.manifests = [workloads.pod(RESTRICTED, f"loop-{label}", script=LOOP_SCRIPT,
-                                        labels={"loop": label}) for _ in range(count)]
+        self.manifests = [make(f"loop-{label}", {"loop": label}, LOOP_SCRIPT)
+                          for _ in range(count)]
+        self.namespace = self.manifests[0]["metadata"]["namespace"]
         self.pids = {}
         for manifest in self.manifests:
             workloads.start(kube, manifest)
         for manifest in self.manifests:
             name = manifest["metadata"]["name"]
-            self.pids[name] = workloads.container_pid(kube, RESTRICTED, name)
+            self.pids[name] = workloads.container_pid(kube, self.namespace, name)
 
     def lines(self) -> dict[str, list[str]]:
-        return {name: self.kube.kubectl("logs", "-n", RESTRICTED, name).splitlines()
+        return {name: self.kube.kubectl("logs", "-n", self.namespace, name).splitlines()
                 for name in self.pids}
 
     def stop(self) -> dict[str, list[str]]:
@@ -287,8 +302,8 @@ class Loop:
         for pid in self.pids.values():
             Path(f"/proc/{pid}/root/tmp/stop").touch()
         wait_for(lambda: all(
-            self.kube.get("pod", "-n", RESTRICTED, name)["status"].get("phase") == "Succeeded"
-            for name in self.pids), "the loop pods to stop", 60.0)
+            self.kube.get("pod", "-n", self.namespace, name)["status"].get("phase")
+            == "Succeeded" for name in self.pids), "the loop pods to stop", 60.0)
         return self.lines()
 
 

@@ -509,6 +509,9 @@ def test_a_tls_handshake_that_never_completes_is_cut(webhooks: dict[str, Webhook
     (["--mode", "sidecar"], "--mode must be one of cdi, mounts, not 'sidecar'"),
     (["--resource", "gpu"], "--resource 'gpu': an extended resource name (DOMAIN/NAME)"),
     (["--request-timeout", "0"], "--request-timeout must be a number of seconds from 0 to 60"),
+    (["--device-class", "Not_A_Class"], "--device-class 'Not_A_Class': a DeviceClass name"),
+    (["--claim-lookup-timeout", "31"],
+     "--claim-lookup-timeout must be a number of seconds from 0 to 30"),
     (["--endpoint", "nonsense:1"], "--endpoint 'nonsense:1': not a Twisted server endpoint"),
     ([], "--endpoint is required"),
 ])
