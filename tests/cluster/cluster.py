@@ -287,8 +287,12 @@ class Cluster:
             "--leader-elect=false", "--profiling=false"])
         self._make_bridge()
         # The API server at SERVICE_IP:443 for pods (the module docstring).
+        # Its log file names the run's directory in its command line, as every
+        # other component's arguments do, so that reap_stale finds it after a
+        # killed run (it holds SERVICE_IP:443, which the next run needs).
         self._add("apiserver-forward", [
-            sys.executable, "-m", "twisted", "portforward",
+            sys.executable, "-m", "twisted",
+            f"--log-file={self.workdir / 'apiserver-forward.twist.log'}", "portforward",
             "--port", f"tcp:443:interface={SERVICE_IP}", "--host", "127.0.0.1",
             "--dest_port", str(apiserver_port)])
         self._make_node_root()
