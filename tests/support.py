@@ -607,6 +607,13 @@ def thread_states(pid: int) -> str:
     return "; ".join(lines)
 
 
+def revision() -> str:
+    """This checkout's C{git describe --always --dirty}, for a report ("?" outside git)."""
+    result = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"],
+                            capture_output=True, text=True, check=False)
+    return result.stdout.strip() or "?"
+
+
 def cpu_seconds(pid: int) -> float:
     """User plus system CPU time of process C{pid}, from /proc."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()

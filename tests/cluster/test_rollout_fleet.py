@@ -24,7 +24,6 @@ import json
 import math
 import os
 import platform
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,7 @@ from cluster import Cluster
 from fleet import DAEMONSETS, NAMESPACE, RELEASE, VALUES, measure_node, roll, surge, wait_rolled
 from kwok import Kwok
 from release import Release
-from support import REPO
+from support import revision
 from test_rollout import images  # noqa: F401  (the fixture: both tags imported)
 
 #: CI's fleet: a few hundred nodes, a few minutes.
@@ -43,12 +42,6 @@ FLEET = int(os.environ.get("HOSTPID_FLEET_NODES", "") or "200")
 TODAY_WINDOW = float(os.environ.get("HOSTPID_FLEET_TODAY_WINDOW", "") or "0")
 REPORT = os.environ.get("HOSTPID_FLEET_REPORT", "")
 DEFAULT_SURGE = 0.10
-
-
-def revision() -> str:
-    result = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"],
-                            capture_output=True, text=True, check=False)
-    return result.stdout.strip() or "?"
 
 
 @pytest.mark.cap(1500 + FLEET)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import subprocess
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -32,7 +31,7 @@ import pytest
 import webhookload
 from cluster import Cluster
 from release import NAMESPACE, Release
-from support import REPO, wait_for
+from support import revision, wait_for
 from test_rollout import images as images  # noqa: F401  (the module's fixture, shared)
 
 BENCH_RATES = os.environ.get("HOSTPID_WEBHOOK_RATES", "")
@@ -61,8 +60,7 @@ def release(kube: Cluster, images: dict[str, str]  # noqa: F811
 
 def test_webhook_in_every_creation(kube: Cluster, release: Release) -> None:
     report: dict[str, Any] = {
-        "revision": subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"],
-                                   capture_output=True, text=True, check=False).stdout.strip(),
+        "revision": revision(),
         "versions": dict(kube.versions), "nproc": os.cpu_count(), "kernel": platform.release(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "steps": []}
     for rate in RATES:

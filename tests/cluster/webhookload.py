@@ -34,7 +34,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import re
 import ssl
 import threading
 import time
@@ -47,6 +46,8 @@ from urllib.parse import urlsplit
 import attrs
 import yaml
 from cluster import Cluster
+from prometheus_client.parser import text_string_to_metric_families
+from support import cpu_seconds as support_cpu_seconds
 
 #: The chart's webhook, as the API server names it in its metrics.
 WEBHOOK = "pods.hostpid.hami.io"
@@ -97,21 +98,6 @@ def quantile(q: float, histogram: Histogram) -> float | None:
     return lower
 
 
-_SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+'
-                     r'(?P<value>\S+)')
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
-def samples(text: str) -> Iterable[tuple[str, dict[str, str], float]]:
-    """The samples of a Prometheus text exposition."""
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if match is None:
-            continue
-        labels = dict(_LABEL.findall(match["labels"] or ""))
-        yield match["name"], labels, float(match["value"])
-
-
 @attrs.frozen
 class ApiMetrics:
     """What the API server said about the webhook, at one moment."""
@@ -125,22 +111,25 @@ class ApiMetrics:
         buckets: dict[float, float] = {}
         count = fail_open = 0.0
         requests: dict[str, float] = {}
-        for name, labels, value in samples(text):
-            if labels.get("name") != WEBHOOK:
-                continue
-            if name == "apiserver_admission_webhook_admission_duration_seconds_bucket" \
-                    and labels.get("operation") == "CREATE":
-                le = float(labels["le"])
-                buckets[le] = buckets.get(le, 0.0) + value
-            elif name == "apiserver_admission_webhook_admission_duration_seconds_count" \
-                    and labels.get("operation") == "CREATE":
-                count += value
-            elif name == "apiserver_admission_webhook_fail_open_count":
-                fail_open += value
-            elif name == "apiserver_admission_webhook_request_total" \
-                    and labels.get("operation") == "CREATE":
-                requests[labels.get("code", "?")] = requests.get(labels.get("code", "?"), 0) \
-                    + value
+        for family in text_string_to_metric_families(text):
+            for name, labels, value, *_ in family.samples:
+                if labels.get("name") != WEBHOOK:
+                    continue
+                if name == "apiserver_admission_webhook_admission_duration_seconds_bucket" \
+                        and labels.get("operation") == "CREATE":
+                    le = float(labels["le"])
+                    buckets[le] = buckets.get(le, 0.0) + value
+                elif name == "apiserver_admission_webhook_admission_duration_seconds_count" \
+                        and labels.get("operation") == "CREATE":
+                    count += value
+                elif family.name == "apiserver_admission_webhook_fail_open_count":
+                    # The parser names a counter's sample C{..._total} whatever
+                    # the exposition calls it; the family keeps the name.
+                    fail_open += value
+                elif name == "apiserver_admission_webhook_request_total" \
+                        and labels.get("operation") == "CREATE":
+                    requests[labels.get("code", "?")] = requests.get(labels.get("code", "?"), 0) \
+                        + value
         return cls(Histogram(tuple(sorted(buckets.items())), count), fail_open, requests)
 
 
@@ -209,14 +198,13 @@ def webhook_pids() -> list[int]:
 
 
 def cpu_seconds(pids: Iterable[int]) -> dict[int, float]:
-    ticks = os.sysconf("SC_CLK_TCK")
+    """L{support.cpu_seconds} of each of C{pids} still running."""
     seconds = {}
     for pid in pids:
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            seconds[pid] = support_cpu_seconds(pid)
         except OSError:
             continue
-        seconds[pid] = (int(fields[11]) + int(fields[12])) / ticks
     return seconds
 
 
