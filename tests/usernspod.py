@@ -247,7 +247,12 @@ def _fake_broker() -> dict:
     from hostpid.client.blocking import HostPidUnavailable, query_host_pid
     from hostpid.testing import FakeBroker
 
-    with FakeBroker(pid=FAKE_PID) as broker:
+    # What is tested is the rule's verdict on the double's listener, not how
+    # fast it answers: in a kernel guest under emulation, on a loaded host, a
+    # double answering from a thread of this very process can miss the
+    # production deadline (0.5 s).  The double's documented way to allow a
+    # slow answer is a longer deadline.
+    with FakeBroker(pid=FAKE_PID, deadline=30.0) as broker:
         try:
             return {"pid": query_host_pid(broker.policy, broker.environ)}
         except HostPidUnavailable as problem:

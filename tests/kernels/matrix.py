@@ -95,10 +95,20 @@ def problem(run: vm.GuestRun) -> str | None:
         return f"the guest reported no test results (pytest rc {run.pytest_rc}); console:\n{tail}"
     failed = run.failed()
     if failed:
-        return f"{len(failed)} failed on {run.release}: " + ", ".join(o.nodeid for o in failed)
+        # Each failure with its junit message: the guest's job directory is
+        # on the machine that ran it, so the message is all a CI log keeps.
+        return f"{len(failed)} failed on {run.release}: " + "; ".join(
+            f"{o.nodeid}: {_first_lines(o.message)}" for o in failed
+        )
     if run.pytest_rc not in (0,):
         return f"the guest's pytest exited {run.pytest_rc}; log: {run.job / 'pytest.log'}"
     return None
+
+
+def _first_lines(message: str, limit: int = 600) -> str:
+    """A failure's message on one line, cut at C{limit} characters."""
+    flat = " | ".join(line.strip() for line in message.splitlines() if line.strip())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
 def record(kernel: debian.Kernel, run: vm.GuestRun, cache: Path = debian.CACHE) -> Path:

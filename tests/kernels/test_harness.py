@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from support import REPO, subprocess_env
 
-from kernels import debian, initramfs, vm
+from kernels import debian, initramfs, matrix, vm
 
 DEB822 = """\
 Types: deb
@@ -138,6 +138,15 @@ def test_absent_feature_is_not_applicable_and_only_the_probe_may_say_so(
     }, result.stdout
     assert "only the probe may declare a test not applicable" in result.stdout
     assert "probing kernel feature BROKEN failed: EIO" in result.stdout
+    run = vm.GuestRun(
+        package="linux-image-test", release="6.0-test", returncode=0, pytest_rc=1, features={},
+        outcomes=vm.parse_junit(junit), boot_seconds=1.0, test_seconds=1.0, wall_seconds=2.0,
+        job=tmp_path,
+    )
+    said = matrix.problem(run)
+    assert said is not None and said.startswith("2 failed on 6.0-test: "), said
+    # What failed and why, since the guest's job directory stays on the machine that ran it.
+    assert "test_probe_error: " in said and "EIO" in said, said
 
 
 def test_the_docs_table_is_made_from_the_recorded_probes(tmp_path: Path) -> None:
