@@ -17,7 +17,7 @@ import time
 
 import pytest
 from attackers import LINGERING_SOCKET
-from support import wait_for
+from support import scaled, wait_for
 from twisted.internet.testing import MemoryReactorClock
 
 from hostpid.broker.closer import BackgroundCloser
@@ -142,14 +142,15 @@ def test_a_connection_carrying_a_lingering_socket_is_disposed_of_in_milliseconds
     started = time.monotonic()
     for fd in fds:
         closer.submit(fd)
-    wait_for(lambda: closer.closed == 21, "the disposer to close all twenty", timeout=10)
+    wait_for(lambda: closer.closed == 21, "the disposer to close all twenty",
+             timeout=scaled(10))
     took = time.monotonic() - started
     assert closer.drained == 20, "each queue held a descriptor, dropped unread"
     assert closer.interrupted >= 1, "the lingering waits were cut short by the timer"
     assert closer.pending == 0
     # The bound is generous for a shared machine; the point is that no close
     # waited for a linger (2**31 - 1 s) or for an interrupt per descriptor.
-    assert took < 5, f"twenty closes took {took:.2f}s"
+    assert took < scaled(5), f"twenty closes took {took:.2f}s"
     for peer in peers:
         peer.close()
     closer.stop()
