@@ -133,6 +133,11 @@ class Rollout:
     #: per node), at any read, per DaemonSet (only when pods were counted).
     most_surged: dict[str, int]
     window: float
+    #: Each read that saw fewer nodes available than wanted (at most
+    #: L{MAX_DIPS}): when, and the nodes whose pods then were none Ready,
+    #: listed at once after (L{unready_nodes}): a node listed lost its pod's
+    #: readiness; none listed, the DaemonSet's status lagged its pods.
+    dips: list[dict[str, Any]] = attrs.Factory(list)
 
     def estimate(self, name: str) -> float:
         """The time the whole fleet takes: measured, or extrapolated from the window's rate."""
@@ -145,7 +150,7 @@ class Rollout:
     def report(self) -> dict[str, Any]:
         return {"label": self.label, "desired": self.desired, "seconds": self.seconds,
                 "updated": self.updated, "fewest_available": self.fewest_available,
-                "most_surged": self.most_surged, "window": self.window,
+                "most_surged": self.most_surged, "window": self.window, "dips": self.dips,
                 "estimate_seconds": {name: self.estimate(name) for name in self.desired}}
 
 
@@ -161,6 +166,26 @@ def pods_per_daemonset(kube: Cluster) -> dict[str, int]:
                           'component} {.metadata.deletionTimestamp}{"\\n"}{end}', timeout=600)
     live = [line.split()[0] for line in output.splitlines() if len(line.split()) == 1]
     return {ds: live.count(component) for component, ds in DAEMONSETS.items()}
+
+
+#: Dips recorded per rollout, at most (each lists a DaemonSet's pods once).
+MAX_DIPS = 5
+
+
+def unready_nodes(kube: Cluster, component: str, limit: int = 5) -> list[dict[str, Any]]:
+    """
+    The nodes where C{component}'s pods are none Ready (first C{limit}),
+    each with its pods: name, phase, Ready, whether being deleted.
+    """
+    pods = kube.get("pods", "-n", NAMESPACE, "-l", f"app.kubernetes.io/component={component}")
+    by_node: dict[str, list[dict[str, Any]]] = {}
+    for pod in pods["items"]:
+        by_node.setdefault(pod["spec"].get("nodeName", "?"), []).append({
+            "name": pod["metadata"]["name"], "phase": pod["status"].get("phase"),
+            "ready": _ready_at(pod) is not None,
+            "deleting": "deletionTimestamp" in pod["metadata"]})
+    return [{"node": node, "pods": found} for node, found in sorted(by_node.items())
+            if not any(p["ready"] for p in found)][:limit]
 
 
 def done(ds: Mapping[str, Any]) -> bool:
@@ -187,13 +212,19 @@ def roll(kube: Cluster, release: Release, label: str, expressions: Sequence[str]
     seconds: dict[str, float | None] = dict.fromkeys(DAEMONSETS.values())
     fewest: dict[str, int] = {}
     most_surged = dict.fromkeys(DAEMONSETS.values(), 0)
+    dips: list[dict[str, Any]] = []
     while True:
         current = daemonsets(kube)
         elapsed = time.monotonic() - started
-        for name in DAEMONSETS.values():
+        for component, name in DAEMONSETS.items():
             status = current[name].get("status", {})
             available = int(status.get("numberAvailable", 0))
             fewest[name] = min(fewest.get(name, available), available)
+            wanted = int(status.get("desiredNumberScheduled", 0))
+            if available < wanted and len(dips) < MAX_DIPS:
+                dips.append({"daemonset": name, "elapsed": round(elapsed, 1),
+                             "available": available, "desired": wanted,
+                             "unready_nodes": unready_nodes(kube, component)})
             if seconds[name] is None and done(current[name]):
                 seconds[name] = elapsed
         if count_pods:
@@ -211,7 +242,7 @@ def roll(kube: Cluster, release: Release, label: str, expressions: Sequence[str]
     updated = {name: current[name]["status"].get("updatedNumberScheduled", 0)
                for name in DAEMONSETS.values()}
     rollout = Rollout(label, desired, seconds, updated, fewest, most_surged,
-                      min(window, time.monotonic() - started))
+                      min(window, time.monotonic() - started), dips)
     print(f"\n[fleet] {json.dumps(rollout.report())}")
     return rollout
 

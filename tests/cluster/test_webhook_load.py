@@ -6,7 +6,11 @@ pod creation of the tier's real API server, at a steady rate
 1. at L{RATES} pods a second (CI: one step of 50 a second for 10 s; half
    GPU pods, in four namespaces): the API server called the webhook for
    every pod, none failed open, every GPU pod got the broker's volume and no
-   other pod did; the latency the API server measured is printed;
+   other pod did; the replicas' own review count agrees; control pods
+   (L{CONTROL}, a share of the rate, in namespaces carrying the chart's
+   opt-out label) were created beside them and never sent to the webhook;
+   the latencies measured (the API server's, the webhook's own, and the
+   create latency with the webhook less the control's) are printed;
 2. beyond capacity, here the webhook at 0 replicas: the API server admits
    GPU pods unpatched (C{failurePolicy: Ignore}), and its own
    C{apiserver_admission_webhook_fail_open_count} counts each one: the
@@ -38,6 +42,8 @@ BENCH_RATES = os.environ.get("HOSTPID_WEBHOOK_RATES", "")
 RATES = [float(r) for r in BENCH_RATES.replace(",", " ").split()] or [50.0]
 SECONDS = float(os.environ.get("HOSTPID_WEBHOOK_SECONDS", "") or "10")
 REPORT = os.environ.get("HOSTPID_WEBHOOK_REPORT", "")
+#: Control pods created beside the webhooked ones, as a share of the rate.
+CONTROL = float(os.environ.get("HOSTPID_WEBHOOK_CONTROL", "") or "0.2")
 #: The webhook's replicas (empty: the chart's default, 2).
 REPLICAS = os.environ.get("HOSTPID_WEBHOOK_REPLICAS", "")
 
@@ -64,7 +70,7 @@ def test_webhook_in_every_creation(kube: Cluster, release: Release) -> None:
         "versions": dict(kube.versions), "nproc": os.cpu_count(), "kernel": platform.release(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "steps": []}
     for rate in RATES:
-        step = webhookload.run_step(kube, rate, SECONDS)
+        step = webhookload.run_step(kube, rate, SECONDS, control_rate=rate * CONTROL)
         report["steps"].append(step)
         shown = {k: v for k, v in step.items() if k != "webhook_buckets"}
         print(f"\n[webhook load] {json.dumps(shown)}")
@@ -73,6 +79,8 @@ def test_webhook_in_every_creation(kube: Cluster, release: Release) -> None:
             continue
         assert step["created"] == step["pods"], step["statuses"]
         assert step["webhook_calls"] == step["pods"], "the API server calls it for every pod"
+        assert step["in_webhook_reviews"] == step["pods"], "and the replicas count each"
+        assert step["control_created"] == step["control_pods"] > 0, step
         assert step["fail_open"] == 0, step
         assert step["gpu_pods"] == step["pods"] // 2 + step["pods"] % 2, step
         assert step["gpu_pods_unpatched"] == 0, step
