@@ -13,12 +13,11 @@ import socket
 from typing import Any
 
 from twisted.application.internet import StreamServerEndpointService
-from twisted.internet import endpoints, tcp
-from twisted.internet.defer import Deferred, execute
-from twisted.internet.interfaces import IListeningPort, IProtocolFactory, IStreamServerEndpoint
-from zope.interface import implementer
+from twisted.internet import endpoints
+from twisted.internet.interfaces import IProtocolFactory, IStreamServerEndpoint
 
 from hostpid.broker.fsrules import BrokerStartupError
+from hostpid.pacedport import PacedPort, paced
 
 
 def _reason(error: BaseException) -> str:
@@ -51,8 +50,12 @@ def parse_metrics_endpoint(description: str, reactor: Any = None) -> IStreamServ
         ) from None
 
 
-class _SharedPort(tcp.Port):
-    """A TCP port bound with C{SO_REUSEPORT}."""
+class _SharedPort(PacedPort):
+    """
+    A metrics port bound with C{SO_REUSEPORT}, accepting at a bounded pace
+    (L{hostpid.pacedport}: a connect flood on the port any pod can reach
+    must not take the reactor from the broker's callers).
+    """
 
     def createInternetSocket(self) -> socket.socket:
         sock = super().createInternetSocket()
@@ -60,43 +63,17 @@ class _SharedPort(tcp.Port):
         return sock
 
 
-@implementer(IStreamServerEndpoint)
-class SharedTCPEndpoint:
+def shared(endpoint: IStreamServerEndpoint) -> IStreamServerEndpoint:
     """
-    A C{tcp:}/C{tcp6:} endpoint whose port a newer broker can bind while
-    this one still listens (C{SO_REUSEPORT}; Linux lets only sockets of the
-    same effective UID, root here, share it).  A reload starts the new
+    C{endpoint}, if it is TCP, on a port a newer broker can bind while this
+    one still listens (C{SO_REUSEPORT}; Linux lets only sockets of the same
+    effective UID, root here, share it), and paced.  A reload starts the new
     broker, its metrics server first, while the old one serves: without
     this, the new one's listen would fail with C{EADDRINUSE} and the reload
     with it.  A port held by any other program still fails the listen.
-
-    It reads the port, backlog and interface Twisted's
-    C{_TCPServerEndpoint} keeps (C{twisted/internet/endpoints.py}) and
-    listens as C{PosixReactorBase.listenTCP} does, with the option set.
+    Other endpoints are as they are.
     """
-
-    def __init__(self, endpoint: Any) -> None:
-        self.endpoint = endpoint
-
-    def listen(self, protocolFactory: IProtocolFactory) -> Deferred[IListeningPort]:
-        endpoint = self.endpoint
-
-        def listen() -> IListeningPort:
-            port = _SharedPort(
-                endpoint._port, protocolFactory, endpoint._backlog, endpoint._interface,
-                endpoint._reactor,
-            )
-            port.startListening()
-            return port
-
-        return execute(listen)
-
-
-def shared(endpoint: IStreamServerEndpoint) -> IStreamServerEndpoint:
-    """C{endpoint}, as a L{SharedTCPEndpoint} if it is TCP (others as they are)."""
-    if isinstance(endpoint, (endpoints.TCP4ServerEndpoint, endpoints.TCP6ServerEndpoint)):
-        return SharedTCPEndpoint(endpoint)
-    return endpoint
+    return paced(endpoint, _SharedPort)
 
 
 class MetricsEndpointService(StreamServerEndpointService):

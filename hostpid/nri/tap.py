@@ -318,6 +318,12 @@ def makeService(options: Options | dict[str, Any], reactor: Any = None) -> IServ
 
             endpoint = getattr(options, f"{name}Endpoint", None) or \
                 endpoints.serverFromString(reactor, options[name])
+            if metered:
+                from hostpid.pacedport import paced
+
+                # The port any pod can reach: a connect flood there must not
+                # take the reactor from the runtime's requests and the probes.
+                endpoint = paced(endpoint)
             site = health_site(client, metrics if metered else None, reactor,
                                host=(lambda: adjuster.last) if config.gate else None,
                                stale=lambda: adjuster.stale)

@@ -60,6 +60,10 @@ def releases(kube: Cluster, gpus: DevicePlugin, images: dict[str, str]  # noqa: 
     try:
         yield main, canary
     finally:
+        # What a failed step may leave: its GPU pods would hold GPUs from the files after.
+        for left in ("stream=group", "loop=group"):
+            kube.kubectl_run("delete", "pods", "-n", RESTRICTED, "-l", left, "--wait=true",
+                             timeout=300)
         kube.kubectl("label", "node", NODE_NAME, f"{CANARY}-", f"{CANARY_ONLY}-")
         canary.uninstall()
         main.uninstall()
@@ -105,7 +109,8 @@ def test_a_group_moves_to_the_canary_and_back(
     loop = Loop(kube, "group")
     wait_for(lambda: all(len(v) >= 5 for v in loop.lines().values()),
              "the loop pods' first answers", 60.0)
-    stream = Stream(kube, "group")
+    # A GPU pod a second: several in each move, few enough for a loaded machine.
+    stream = Stream(kube, "group", interval=1.0)
     try:
         # Move the group: the canary's pods start beside the main ones and take over ...
         label(kube, f"{CANARY}=true")
@@ -113,7 +118,7 @@ def test_a_group_moves_to_the_canary_and_back(
         print(canary.rollout("daemonset", "hostpid-nri"))
         assert ready(broker_pod(kube, CANARY_NAMESPACE))
         wait_for(lambda: not ready(broker_pod(kube, NAMESPACE)),
-                 "the main release's broker to have handed its listener over", 60.0)
+                 "the main release's broker to have handed its listener over", 120.0)
         # ... then the main release's pods there go.
         label(kube, f"{CANARY_ONLY}=true")
         wait_for(lambda: gone(kube, NAMESPACE), "the main release's pods to leave the node",
@@ -129,13 +134,15 @@ def test_a_group_moves_to_the_canary_and_back(
         print(main.rollout("daemonset", "hostpid-nri"))
         wait_for(lambda: ready(broker_pod(kube, NAMESPACE))
                  and not ready(broker_pod(kube, CANARY_NAMESPACE)),
-                 "the main release's broker to hold the listener again", 60.0)
+                 "the main release's broker to hold the listener again", 120.0)
         label(kube, f"{CANARY}-")
         wait_for(lambda: gone(kube, CANARY_NAMESPACE), "the canary's pods to leave the node",
                  120.0)
     finally:
-        gates = stream.stop()
-        lines = loop.stop()
+        try:
+            gates = stream.stop()
+        finally:
+            lines = loop.stop()
     total, failed = failures(lines)
     unadjusted = sorted(name for name, gate in gates.items() if gate != "1")
     print(f"\n[cluster] group first, there and back: {total} queries, {failed} failed; "
