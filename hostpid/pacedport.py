@@ -50,7 +50,8 @@ class PacedPort(tcp.Port):
         if self.numberAccepts > self.batch and not self.disconnecting:
             self.numberAccepts = self.batch
             self.stopReading()
-            self._resume = self.reactor.callLater(self.pause, self._resumeReading)
+            clock: Any = self.reactor  # tcp.Port types it IReactorFDSet; it is the reactor
+            self._resume = clock.callLater(self.pause, self._resumeReading)
 
     def _resumeReading(self) -> None:
         self._resume = None

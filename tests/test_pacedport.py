@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from twisted.internet import endpoints
@@ -42,21 +43,24 @@ def listening() -> Iterator[tuple[MemoryReactorClock, PacedPort, Counting]]:
     reactor.advance(0)
 
 
-def flood(port: PacedPort, count: int) -> list[socket.socket]:
-    """C{count} connections made to C{port}, waiting in its backlog."""
+@contextmanager
+def flood(port: PacedPort, count: int) -> Iterator[None]:
+    """C{count} connections made to C{port}, waiting in its backlog, closed after."""
     address = port.getHost()
     clients = []
-    for _ in range(count):
-        client = socket.create_connection((address.host, address.port), timeout=5)
-        clients.append(client)
-    return clients
+    try:
+        for _ in range(count):
+            clients.append(socket.create_connection((address.host, address.port), timeout=5))
+        yield
+    finally:
+        for client in clients:
+            client.close()
 
 
 def test_a_flood_is_accepted_a_batch_a_pause(
         listening: tuple[MemoryReactorClock, PacedPort, Counting]) -> None:
     reactor, port, factory = listening
-    clients = flood(port, WAITING)
-    try:
+    with flood(port, WAITING):
         assert port in reactor.readers
         port.doRead()
         assert factory.built == BATCH, "one batch a turn, however many wait"
@@ -75,38 +79,27 @@ def test_a_flood_is_accepted_a_batch_a_pause(
         port.doRead()
         assert factory.built == WAITING, "the rest, fewer than a batch"
         assert port in reactor.readers, "a turn that took less than a batch does not rest"
-    finally:
-        for client in clients:
-            client.close()
 
 
 def test_a_few_connections_are_accepted_at_once(
         listening: tuple[MemoryReactorClock, PacedPort, Counting]) -> None:
     reactor, port, factory = listening
-    clients = flood(port, 3)
-    try:
+    with flood(port, 3):
         port.doRead()
         assert factory.built == 3
         assert port in reactor.readers and not reactor.getDelayedCalls()
-    finally:
-        for client in clients:
-            client.close()
 
 
 def test_stopping_while_resting_cancels_the_resume(
         listening: tuple[MemoryReactorClock, PacedPort, Counting]) -> None:
     reactor, port, factory = listening
-    clients = flood(port, BATCH + 1)
-    try:
+    with flood(port, BATCH + 1):
         port.doRead()
         assert len(reactor.getDelayedCalls()) == 1
         port.stopListening()
         reactor.advance(0)
         assert not [c for c in reactor.getDelayedCalls() if c.active()]
         assert port not in reactor.readers
-    finally:
-        for client in clients:
-            client.close()
 
 
 def test_tcp_endpoints_are_paced_others_are_not() -> None:
