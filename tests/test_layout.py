@@ -9,7 +9,8 @@ Layers, bottom up:
     metrics server and of the webhook), C{servicemaker} (the twistd plugin
     whose part lacks its extra says so in one line), C{fileattr} (the immutable
     attribute of the broker mountpoint, which the allocation side and the NRI
-    plugin set and the broker's watch reads);
+    plugin set and the broker's watch reads), C{pacedport} (the accept pace
+    of the broker's and the NRI plugin's metrics ports);
     they import no side (C{values} nothing of the project at all, and C{wire}
     nothing but C{values});
   - sides: C{broker}, C{client}, C{node}, C{admission}, C{nri}; each imports
@@ -41,7 +42,7 @@ from support import REPO
 PACKAGE = REPO / "hostpid"
 SHARED = {
     "wire", "gate", "peercred", "ucred", "starttime", "defaults", "errors", "logs", "version",
-    "values", "boundedhttp", "servicemaker", "fileattr",
+    "values", "boundedhttp", "servicemaker", "fileattr", "pacedport",
 }
 SIDES = {"broker", "client", "node", "admission", "nri"}
 TOP = {"", "cli", "testing", "tap", "allocation"}

@@ -110,19 +110,12 @@ class Release:
                                "hostPIDBroker.enabled=false"), self.paths.values())
         self.revisions: list[dict[str, Any]] = []
 
-    def install(self, *expressions: str, chart: Path = CHART,
-                more: dict[str, Any] | None = None) -> Any:
-        """
-        C{helm install} of C{chart} (this one, or the chart as it was at an
-        earlier commit), with C{--set} C{expressions} and C{more} values (as
-        C{--set-string} or C{--set-json} give them).
-        """
+    def install(self, *expressions: str, chart: Path = CHART) -> Any:
+        """C{helm install} of C{chart} (this one, or the chart as it was at an earlier commit)."""
         self.kube.namespace(self.namespace,
                             {"pod-security.kubernetes.io/enforce": "privileged"})
         values = merge(copy.deepcopy(self.base), sets(*expressions)) if expressions else \
             copy.deepcopy(self.base)
-        if more:
-            values = merge(values, more)
         with helm.Chart.load(chart) as loaded:
             result = self.config.install(loaded, self.name, values, namespace=self.namespace,
                                          timeout=300)
